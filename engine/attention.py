@@ -1,0 +1,54 @@
+"""Attention of new tokens over their sequence's cached prefix plus themselves (torch backend).
+
+One function covers a whole prompt, a chunk of one after earlier chunks or a prefix-cache hit,
+and a decode step: each sequence's queries are the last q_len positions of its context.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.kv_cache import KVCache
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    cu_seqlens_q: list[int]
+    context_lens: list[int]
+    block_tables: list[list[int]]
+    slot_mapping: torch.Tensor
+    kv_head_of_q: torch.Tensor  # local KV head read by each local query head
+
+
+def _causal_mask(q_len: int, kv_len: int, device) -> torch.Tensor:
+    """Query j sits at absolute position kv_len - q_len + j and sees keys up to it."""
+    q_pos = torch.arange(kv_len - q_len, kv_len, device=device).unsqueeze(1)
+    return torch.arange(kv_len, device=device).unsqueeze(0) <= q_pos
+
+
+def torch_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    cache: KVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q: [T, hq, d], k/v: [T, hkv, d] for the new tokens. Returns [T, hq, d]."""
+    cache.store(layer, k, v, meta.slot_mapping)
+    out = torch.empty_like(q)
+    bounds = meta.cu_seqlens_q
+    for i, kv_len in enumerate(meta.context_lens):
+        s, e = bounds[i], bounds[i + 1]
+        if e - s == kv_len:  # nothing cached before: the new K/V are the whole context
+            keys, values = k[s:e], v[s:e]
+        else:
+            keys, values = cache.gather(layer, meta.block_tables[i], kv_len)
+        keys = keys.index_select(1, meta.kv_head_of_q).transpose(0, 1)
+        values = values.index_select(1, meta.kv_head_of_q).transpose(0, 1)
+        queries = q[s:e].transpose(0, 1)
+        if e - s == kv_len:
+            o = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=scale)
+        elif e - s == 1:
+            o = F.scaled_dot_product_attention(queries, keys, values, scale=scale)
+        else:
+            mask = _causal_mask(e - s, kv_len, q.device)
+            o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale)
+        out[s:e] = o.transpose(0, 1)
+    return out

@@ -1,0 +1,54 @@
+"""The one flat description of a step that the driver sends to every rank."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(slots=True)
+class SamplingSpec:
+    """What the sampler needs for one sequence at one step. `step` counts the tokens this
+    sequence has sampled before, so a seeded request draws the same tokens wherever it runs."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    step: int = 0
+
+
+@dataclass(slots=True)
+class Batch:
+    """New tokens of every scheduled sequence, packed with no padding.
+
+    Sequence i owns flat rows cu_seqlens_q[i]:cu_seqlens_q[i+1]; after this step its KV length
+    is context_lens[i]. slot_mapping[t] is the paged-cache slot (block * block_size + offset)
+    that token t's K/V go to. logits_indices are the rows whose next token is sampled.
+    """
+
+    token_ids: list[int]
+    positions: list[int]
+    cu_seqlens_q: list[int]
+    context_lens: list[int]
+    slot_mapping: list[int]
+    block_tables: list[list[int]]
+    logits_indices: list[int]
+    sampling: list[SamplingSpec] = field(default_factory=list)
+    return_logits: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.context_lens)
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What rank 0 sends back: one sampled token per logits index, and the logits if asked."""
+
+    token_ids: list[int]
+    logits: torch.Tensor | None = None

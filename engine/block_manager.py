@@ -1,0 +1,143 @@
+"""Paged KV blocks on the driver, and the prefix cache over them.
+
+Every full block is keyed by a chained hash of its tokens and of the block before it, so a key
+names a whole prefix. A hit is served only after its tokens are compared, so a hash collision
+can never hand out another prompt's K/V. Blocks nobody references stay cached until the pool
+needs them, least recently freed first.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Callable
+
+from engine.sequence import Sequence
+
+HashFn = Callable[[int | None, tuple[int, ...]], int]
+
+
+def chain_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
+    return hash((parent, tokens))
+
+
+@dataclass(slots=True)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None
+    token_ids: tuple[int, ...] = ()
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 hash_fn: HashFn = chain_hash):
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.hash_fn = hash_fn
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.cached: dict[int, int] = {}  # chained hash -> block id
+        self.lookup_tokens = 0
+        self.hit_tokens = 0
+        self.collisions = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_ids)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _cached_prefix(self, tokens: list[int]) -> list[int]:
+        hits, parent = [], None
+        for b in range(len(tokens) // self.block_size):
+            chunk = tuple(tokens[b * self.block_size:(b + 1) * self.block_size])
+            h = self.hash_fn(parent, chunk)
+            bid = self.cached.get(h)
+            if bid is None:
+                break
+            if self.blocks[bid].token_ids != chunk:
+                self.collisions += 1
+                break
+            hits.append(bid)
+            parent = h
+        if hits and len(hits) * self.block_size == len(tokens):
+            hits.pop()  # the last token must run through the model to give logits
+        return hits
+
+    def allocate(self, seq: Sequence) -> bool:
+        """Give a waiting sequence blocks for all its tokens, reusing cached ones. False if the
+        pool cannot hold it now."""
+        hits = self._cached_prefix(seq.token_ids) if self.enable_prefix_caching else []
+        fresh = self.blocks_for(seq.num_tokens) - len(hits)
+        revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)
+        if self.num_free_blocks - revived < fresh:
+            return False
+        for bid in hits:
+            self._take(bid)
+        seq.block_table = hits + [self._take_fresh() for _ in range(fresh)]
+        seq.num_cached_tokens = seq.num_computed_tokens = len(hits) * self.block_size
+        seq.num_hashed_blocks = len(hits)
+        seq.parent_hash = self.blocks[hits[-1]].hash if hits else None
+        self.lookup_tokens += seq.num_tokens
+        self.hit_tokens += seq.num_cached_tokens
+        return True
+
+    def ensure_capacity(self, seq: Sequence) -> bool:
+        """Add a block when the sequence's tokens outgrow its table. False if none is free."""
+        if self.blocks_for(seq.num_tokens) <= len(seq.block_table):
+            return True
+        if not self.free_ids:
+            return False
+        seq.block_table.append(self._take_fresh())
+        return True
+
+    def register_computed(self, seq: Sequence) -> None:
+        """Enter the sequence's newly completed blocks into the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        full = seq.num_computed_tokens // self.block_size
+        for b in range(seq.num_hashed_blocks, full):
+            chunk = tuple(seq.token_ids[b * self.block_size:(b + 1) * self.block_size])
+            h = self.hash_fn(seq.parent_hash, chunk)
+            block = self.blocks[seq.block_table[b]]
+            block.hash, block.token_ids = h, chunk
+            self.cached.setdefault(h, block.block_id)
+            seq.parent_hash = h
+        seq.num_hashed_blocks = max(seq.num_hashed_blocks, full)
+
+    def free(self, seq: Sequence) -> None:
+        # tail first, so a prompt's leading blocks are the last to be evicted
+        for bid in reversed(seq.block_table):
+            block = self.blocks[bid]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_ids[bid] = None
+        seq.block_table = []
+        seq.num_hashed_blocks = 0
+        seq.parent_hash = None
+
+    def _take(self, bid: int) -> None:
+        block = self.blocks[bid]
+        if block.ref_count == 0:
+            del self.free_ids[bid]
+        block.ref_count += 1
+
+    def _take_fresh(self) -> int:
+        bid, _ = self.free_ids.popitem(last=False)
+        block = self.blocks[bid]
+        if block.hash is not None and self.cached.get(block.hash) == bid:
+            del self.cached[block.hash]  # evicted: its contents are about to be overwritten
+        block.hash, block.token_ids, block.ref_count = None, (), 1
+        return bid
+
+    def stats(self) -> dict:
+        return {"blocks_total": self.num_blocks, "blocks_free": self.num_free_blocks,
+                "blocks_used": self.num_blocks - self.num_free_blocks,
+                "cached_blocks": len(self.cached), "prefix_lookup_tokens": self.lookup_tokens,
+                "prefix_hit_tokens": self.hit_tokens, "hash_collisions": self.collisions,
+                "hit_rate": self.hit_tokens / self.lookup_tokens if self.lookup_tokens else 0.0}

@@ -1,0 +1,39 @@
+"""This rank's paged KV cache: fixed-size blocks of slots, K and V for this rank's heads only."""
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str):
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        # [k|v, layer, block, slot in block, kv head, head dim]
+        self.data = torch.zeros(2, num_layers, num_blocks, block_size, kv_heads, head_dim,
+                                dtype=dtype, device=device)
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * kv_heads * head_dim * dtype.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.data[0, i], self.data[1, i]
+
+    def store(self, i: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        """Scatter the new tokens' K/V ([T, kv_heads, d]) into their slots."""
+        k_cache, v_cache = self.layer(i)
+        k_cache.view(-1, *k.shape[1:])[slot_mapping] = k
+        v_cache.view(-1, *v.shape[1:])[slot_mapping] = v
+
+    def gather(self, i: int, block_table: list[int], length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the first `length` positions of one sequence, [length, kv_heads, d]."""
+        k_cache, v_cache = self.layer(i)
+        blocks = torch.tensor(block_table[: -(-length // self.block_size)], device=k_cache.device)
+        k = k_cache[blocks].flatten(0, 1)[:length]
+        v = v_cache[blocks].flatten(0, 1)[:length]
+        return k, v

@@ -1,0 +1,155 @@
+"""The public entry point: tokenize, schedule, run steps on the ranks, return outputs."""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Sequence as Seq
+
+from engine.block_manager import BlockManager
+from engine.checkpoint import open_checkpoint
+from engine.config import EngineConfig
+from engine.errors import ConfigError, InvalidRequestError
+from engine.executor import make_executor
+from engine.outputs import GenerateOutput, PrefillOutput
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
+from engine.tokenizer import load_tokenizer
+from parallel.partition import partition_heads
+
+log = logging.getLogger("engine")
+Prompt = str | list[int]
+
+
+class LLM:
+    """`LLM("smollm2", tp=2)`: keyword arguments are the settings of `EngineConfig`."""
+
+    def __init__(self, model: str = "smollm2", **settings):
+        self.config = cfg = EngineConfig.from_kwargs(model=model, **settings)
+        ckpt = open_checkpoint(model)
+        self.model_config = mc = ckpt.config
+        self.tokenizer = load_tokenizer(ckpt)
+        try:
+            partition_heads(mc.num_heads, mc.num_kv_heads, cfg.tp)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        self.max_model_len = cfg.max_model_len or mc.max_position_embeddings
+        self.executor = make_executor(cfg, ckpt)
+        self.rank_info = self.executor.call("info")
+        num_blocks = min(info["num_blocks"] for info in self.rank_info)
+        self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, cfg.max_num_batched_tokens, cfg.max_num_seqs,
+                                   self.max_model_len, mc.eos_token_ids)
+        log.info("KV cache: %d blocks of %d tokens (%d tokens) per rank", num_blocks,
+                 cfg.block_size, num_blocks * cfg.block_size)
+
+    # ---- public API -------------------------------------------------------------------------
+
+    def prefill(self, prompts: Prompt | Seq[Prompt]) -> list[PrefillOutput]:
+        """One forward pass per prompt; the first token and the last position's logits."""
+        seqs = self._submit(prompts, SamplingParams(max_tokens=1), keep_first_logits=True)
+        self._run(seqs)
+        return [PrefillOutput(s.prompt_token_ids, s.output_token_ids[0],
+                              self._text([s.output_token_ids[0]]), s.first_logits,
+                              s.first_token_time - s.arrival_time, s.num_cached_tokens,
+                              s.kv_block_table)
+                for s in seqs]
+
+    def generate(self, prompts: Prompt | Seq[Prompt],
+                 params: SamplingParams | None = None) -> list[GenerateOutput]:
+        seqs = self._submit(prompts, params or SamplingParams())
+        self._run(seqs)
+        return [GenerateOutput(s.prompt_token_ids, s.output_token_ids,
+                               self._text(s.output_token_ids), s.first_token_time - s.arrival_time,
+                               s.num_cached_tokens, s.finish_reason) for s in seqs]
+
+    def read_kv(self, layer: int, block_table: list[int], length: int) -> list[tuple]:
+        """Each rank's (K, V) of `length` positions stored in `block_table`, [length, kv heads, d]."""
+        return self.executor.call("read_kv", layer, block_table, length)
+
+    def cache_stats(self) -> dict:
+        stats = self.block_manager.stats()
+        stats["kv_bytes_per_token_per_rank"] = [i["kv_bytes_per_token"] for i in self.rank_info]
+        stats["preemptions"] = self.scheduler.num_preemptions
+        return stats
+
+    def shutdown(self) -> None:
+        if self.executor is not None:
+            self.executor.shutdown()
+            self.executor = None
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    # ---- internals --------------------------------------------------------------------------
+
+    def _text(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids) if self.tokenizer else ""
+
+    def _submit(self, prompts, params: SamplingParams, keep_first_logits: bool = False) -> list[Sequence]:
+        if self.executor is None:
+            raise InvalidRequestError("this LLM was shut down; create a new one")
+        token_lists = [self._tokens(p) for p in _as_prompt_list(prompts)]
+        seqs = [Sequence(t, params, keep_first_logits=keep_first_logits) for t in token_lists]
+        for s in seqs:
+            self.scheduler.add(s)
+        return seqs
+
+    def _tokens(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError(f"{self.config.model} ships no tokenizer; pass token ids")
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+            ids = list(prompt)
+        else:
+            raise InvalidRequestError(
+                f"a prompt must be a string or a list of int token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise InvalidRequestError("empty prompt: give at least one token")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        if len(ids) > self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt of {len(ids)} tokens exceeds max_model_len={self.max_model_len}; "
+                f"shorten it or raise max_model_len (at most the model's context)")
+        need = self.block_manager.blocks_for(len(ids) + 1)
+        if need > self.block_manager.num_blocks:
+            raise InvalidRequestError(
+                f"prompt of {len(ids)} tokens needs {need} KV blocks but the cache holds "
+                f"{self.block_manager.num_blocks}; raise kv_cache_gb")
+        return ids
+
+    def _run(self, seqs: list[Sequence]) -> None:
+        try:
+            while any(s.finish_reason is None for s in seqs):
+                self._step()
+        except BaseException:
+            self.scheduler.abort([s for s in seqs if s.finish_reason is None])
+            raise
+
+    def _step(self) -> None:
+        scheduled = self.scheduler.schedule()
+        if not scheduled:
+            raise RuntimeError("scheduler found nothing to run while requests are pending")
+        batch = self.scheduler.build_batch(scheduled)
+        result = self.executor.call("execute", batch)[0]
+        self.scheduler.postprocess(scheduled, result.token_ids, result.logits)
+
+
+def _as_prompt_list(prompts) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
+        return [list(prompts)]  # one prompt given as token ids
+    if isinstance(prompts, (list, tuple)):
+        if not prompts:
+            raise InvalidRequestError("no prompts given")
+        return list(prompts)
+    raise InvalidRequestError(f"prompts must be a string, token ids, or a list of them; "
+                              f"got {type(prompts).__name__}")

@@ -1,0 +1,137 @@
+"""The decoder-only transformer (Llama, Mistral, SmolLM2, Qwen2), written once against the
+tensor-parallel layers: with one rank it holds the whole model, with N it holds its shard."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from engine.attention import AttentionMetadata, torch_attention
+from engine.kv_cache import KVCache
+from engine.model_config import ModelConfig
+from engine.rope import RotaryEmbedding
+from parallel.layers import (ColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
+                             RowParallelLinear, TensorReader, VocabParallelEmbedding,
+                             copy_checked)
+from parallel.partition import HeadPartition, Range, even_ranges, partition_heads, scale
+
+
+@dataclass(frozen=True, slots=True)
+class ShardPlan:
+    """What one rank owns of every layer."""
+
+    rank: int
+    world_size: int
+    heads: HeadPartition
+    ffn: Range
+    vocab_ranges: list[Range]
+
+    @classmethod
+    def for_rank(cls, cfg: ModelConfig, rank: int, world_size: int) -> "ShardPlan":
+        return cls(rank, world_size, partition_heads(cfg.num_heads, cfg.num_kv_heads, world_size)[rank],
+                   even_ranges(cfg.intermediate_size, world_size)[rank],
+                   even_ranges(cfg.vocab_size, world_size))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """Normalise x (+ residual when given); returns (normed, new residual) in the latter case."""
+        if residual is not None:
+            x = x + residual
+            residual = x
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = self.weight * h.to(x.dtype)
+        return out if residual is None else (out, residual)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, plan: ShardPlan, rope: RotaryEmbedding):
+        super().__init__()
+        hd = cfg.head_dim
+        self.head_dim, self.scale, self.rope = hd, hd ** -0.5, rope
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, hd, plan.heads, cfg.qkv_bias)
+        self.o_proj = RowParallelLinear(scale(plan.heads.q_heads, hd), cfg.hidden_size)
+
+    def forward(self, layer: int, x: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        q = q.view(len(x), -1, self.head_dim)
+        k = k.view(len(x), -1, self.head_dim)
+        v = v.view(len(x), -1, self.head_dim)
+        q, k = self.rope(positions, q, k)
+        o = torch_attention(layer, q, k, v, cache, meta, self.scale)
+        return self.o_proj(o.flatten(1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, plan: ShardPlan):
+        super().__init__()
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [plan.ffn, plan.ffn])
+        self.down_proj = RowParallelLinear(plan.ffn, cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, plan: ShardPlan, rope: RotaryEmbedding):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, plan, rope)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg, plan)
+
+
+class CausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, plan: ShardPlan, max_positions: int):
+        super().__init__()
+        self.cfg, self.plan = cfg, plan
+        rope = RotaryEmbedding(cfg, max_positions)
+        self.embed_tokens = VocabParallelEmbedding(plan.vocab_ranges[plan.rank], cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, plan, rope) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = ParallelLMHead(plan.vocab_ranges, plan.rank, cfg.hidden_size,
+                                      self.embed_tokens if cfg.tie_word_embeddings else None)
+
+    @torch.inference_mode()
+    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor | None:
+        """Logits [len(logits_indices), vocab] on rank 0 (None on other ranks)."""
+        h, residual = self.embed_tokens(token_ids), None
+        for i, layer in enumerate(self.layers):
+            if residual is None:
+                residual, x = h, layer.input_layernorm(h)
+            else:
+                x, residual = layer.input_layernorm(h, residual)
+            h = layer.self_attn(i, x, positions, cache, meta)
+            x, residual = layer.post_attention_layernorm(h, residual)
+            h = layer.mlp(x)
+        # only the rows that sample a token go through the final norm and the LM head
+        last = self.norm(h[logits_indices], residual[logits_indices])[0]
+        return self.lm_head(last).float() if len(logits_indices) else None
+
+    def load(self, read: TensorReader) -> None:
+        self.embed_tokens.load(read, "model.embed_tokens")
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}"
+            _load_norm(layer.input_layernorm, read, f"{p}.input_layernorm")
+            _load_norm(layer.post_attention_layernorm, read, f"{p}.post_attention_layernorm")
+            attn = f"{p}.self_attn"
+            layer.self_attn.qkv_proj.load(read, [f"{attn}.q_proj", f"{attn}.k_proj", f"{attn}.v_proj"])
+            layer.self_attn.o_proj.load(read, f"{attn}.o_proj")
+            layer.mlp.gate_up_proj.load(read, [f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj"])
+            layer.mlp.down_proj.load(read, f"{p}.mlp.down_proj")
+        _load_norm(self.norm, read, "model.norm")
+        self.lm_head.load(read, "lm_head")
+
+
+def _load_norm(norm: RMSNorm, read: TensorReader, name: str) -> None:
+    copy_checked(norm.weight, read(f"{name}.weight", None, 0, 0), f"{name}.weight")

@@ -1,0 +1,27 @@
+"""What the public API returns."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class PrefillOutput:
+    prompt_token_ids: list[int]
+    first_token: int
+    first_token_text: str
+    logits: torch.Tensor  # float32 [vocab] at the last prompt position, on the CPU
+    ttft_s: float
+    cached_tokens: int  # prompt tokens whose K/V came from the prefix cache
+    block_table: list[int]  # KV blocks that held the prompt on every rank (reusable until evicted)
+
+
+@dataclass(slots=True)
+class GenerateOutput:
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    ttft_s: float
+    cached_tokens: int
+    finish_reason: str

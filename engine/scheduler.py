@@ -1,0 +1,134 @@
+"""Which tokens run in the next step, under a token budget, and what a step's results mean.
+
+Prefill and decode are one thing here: each sequence has some tokens without K/V yet (a whole
+prompt, the rest of a chunked prompt, or the one token sampled last step). Sequences with a
+single pending token (decodes) go first so a long prompt never stalls them; prompts are then cut
+into chunks that fill what is left of `max_num_batched_tokens`.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+
+from engine.batch import Batch
+from engine.block_manager import BlockManager
+from engine.sequence import Sequence, Status
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_batched_tokens: int,
+                 max_num_seqs: int, max_model_len: int, eos_token_ids: list[int]):
+        self.blocks = block_manager
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.eos_token_ids = set(eos_token_ids)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[tuple[Sequence, int]]:
+        budget, scheduled = self.max_num_batched_tokens, []
+        for seq in sorted(self.running, key=lambda s: s.num_pending_tokens > 1):
+            if budget == 0:
+                break
+            if seq.status is not Status.RUNNING or not self._make_room(seq):
+                continue
+            n = min(seq.num_pending_tokens, budget)
+            scheduled.append((seq, n))
+            budget -= n
+        while self.waiting and budget and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if not self.blocks.allocate(seq):
+                break
+            self.waiting.popleft()
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            n = min(seq.num_pending_tokens, budget)
+            scheduled.append((seq, n))
+            budget -= n
+        return scheduled
+
+    def _make_room(self, seq: Sequence) -> bool:
+        """Find a block for a decode that needs one, preempting the newest sequences if the pool
+        is full. False if `seq` itself had to give way."""
+        while not self.blocks.ensure_capacity(seq):
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Drop the sequence's blocks; it is recomputed from its tokens when readmitted (its
+        full blocks usually come back from the prefix cache)."""
+        self.blocks.free(seq)
+        self.running.remove(seq)
+        seq.status, seq.num_computed_tokens = Status.WAITING, 0
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def build_batch(self, scheduled: list[tuple[Sequence, int]]) -> Batch:
+        bs = self.blocks.block_size
+        batch = Batch([], [], [0], [], [], [], [])
+        for seq, n in scheduled:
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
+            batch.token_ids += seq.token_ids[start:end]
+            batch.positions += range(start, end)
+            batch.slot_mapping += [seq.block_table[p // bs] * bs + p % bs for p in range(start, end)]
+            batch.cu_seqlens_q.append(batch.cu_seqlens_q[-1] + n)
+            batch.context_lens.append(end)
+            batch.block_tables.append(seq.block_table)
+            if end == seq.num_tokens:  # this chunk completes the sequence: sample its next token
+                batch.logits_indices.append(batch.cu_seqlens_q[-1] - 1)
+                batch.sampling.append(seq.params.spec(len(seq.output_token_ids)))
+                batch.return_logits |= seq.keep_first_logits and not seq.output_token_ids
+        return batch
+
+    def postprocess(self, scheduled: list[tuple[Sequence, int]], token_ids: list[int],
+                    logits=None) -> list[Sequence]:
+        """Advance every scheduled sequence; returns those that finished."""
+        now, finished, row = time.perf_counter(), [], 0
+        for seq, n in scheduled:
+            seq.num_computed_tokens += n
+            self.blocks.register_computed(seq)
+            if seq.num_computed_tokens < seq.num_tokens:
+                continue  # a chunk of a prompt: nothing sampled yet
+            if not seq.output_token_ids:
+                seq.first_token_time = now
+                if seq.keep_first_logits and logits is not None:
+                    seq.first_logits = logits[row]
+            seq.token_ids.append(token_ids[row])
+            row += 1
+            reason = self._finish_reason(seq)
+            if reason:
+                seq.finish_reason, seq.status = reason, Status.FINISHED
+                seq.kv_block_table = list(seq.block_table)
+                self.blocks.free(seq)
+                self.running.remove(seq)
+                finished.append(seq)
+        return finished
+
+    def _finish_reason(self, seq: Sequence) -> str | None:
+        if not seq.params.ignore_eos and seq.token_ids[-1] in self.eos_token_ids:
+            return "stop"
+        if len(seq.output_token_ids) >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def abort(self, seqs: list[Sequence]) -> None:
+        """Forget sequences whose step failed; their blocks go back, never half-registered."""
+        for seq in seqs:
+            if seq.status is Status.RUNNING:
+                self.blocks.free(seq)
+                self.running.remove(seq)
+            elif seq in self.waiting:
+                self.waiting.remove(seq)
+            seq.status = Status.FINISHED
+            seq.finish_reason = "aborted"

@@ -1,0 +1,57 @@
+"""One request's state on the driver: its tokens, how many have K/V in the cache, its blocks."""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+from engine.sampling_params import SamplingParams
+
+_ids = itertools.count()
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True)
+class Sequence:
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seq_id: int = field(default_factory=lambda: next(_ids))
+    token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    num_cached_tokens: int = 0  # of the prompt, served by the prefix cache
+    block_table: list[int] = field(default_factory=list)
+    num_hashed_blocks: int = 0  # leading blocks registered in the prefix cache
+    parent_hash: int | None = None  # hash of the last registered block, the next one chains to it
+    status: Status = Status.WAITING
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    keep_first_logits: bool = False
+    first_logits: object = None
+    finish_reason: str | None = None
+    kv_block_table: list[int] = field(default_factory=list)  # where its K/V stayed when it finished
+
+    def __post_init__(self):
+        self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_pending_tokens(self) -> int:
+        """Tokens without K/V yet: the prompt (or what is left of it), or the last sampled token."""
+        return self.num_tokens - self.num_computed_tokens

@@ -1,0 +1,72 @@
+"""One rank: its shard of the model, its slice of the paged KV cache, and the step it runs.
+
+The same class runs in the driver's process (one rank) or inside a Ray actor (one per rank)."""
+from __future__ import annotations
+
+import torch
+
+from engine.attention import AttentionMetadata
+from engine.batch import Batch, StepResult
+from engine.checkpoint import Checkpoint, open_checkpoint
+from engine.config import EngineConfig
+from engine.errors import ConfigError, ModelLoadError
+from engine.kv_cache import KVCache
+from engine.model import CausalLM, ShardPlan
+from engine.sampler import sample
+
+
+class Worker:
+    def __init__(self, cfg: EngineConfig, rank: int = 0, world_size: int = 1,
+                 checkpoint: Checkpoint | None = None):
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
+        self.rank, self.device, self.dtype = rank, torch.device(cfg.device), cfg.torch_dtype
+        ckpt = checkpoint or open_checkpoint(cfg.model)
+        self.model_cfg = mc = ckpt.config
+        self.max_model_len = cfg.max_model_len or mc.max_position_embeddings
+        if self.max_model_len > mc.max_position_embeddings:
+            raise ConfigError(f"max_model_len={cfg.max_model_len} exceeds the model's context of "
+                              f"{mc.max_position_embeddings} tokens; use at most that")
+        self.plan = ShardPlan.for_rank(mc, rank, world_size)
+        self.model = CausalLM(mc, self.plan, self.max_model_len)
+        try:
+            self.model.load(ckpt.read)
+        except ValueError as e:
+            raise ModelLoadError(f"{ckpt.source}: {e}") from None
+        for p in self.model.parameters():  # buffers (rotary tables) stay float32
+            p.data = p.data.to(self.device, self.dtype)
+        self.model.to(self.device)
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        heads = self.plan.heads.num_kv_heads
+        self.kv_bytes_per_token = KVCache.bytes_per_token(mc.num_layers, heads, mc.head_dim, self.dtype)
+        num_blocks = int(cfg.kv_cache_gb * 2**30) // (self.kv_bytes_per_token * cfg.block_size)
+        self.cache = KVCache(mc.num_layers, num_blocks, cfg.block_size, heads, mc.head_dim,
+                             self.dtype, self.device)
+        self.kv_head_of_q = torch.tensor(self.plan.heads.kv_head_of_q_head(), device=self.device)
+
+    def info(self) -> dict:
+        h = self.plan.heads
+        return {"rank": self.rank, "q_heads": h.q_heads, "kv_heads": h.kv_heads,
+                "ffn": self.plan.ffn, "vocab": self.plan.vocab_ranges[self.rank],
+                "weight_bytes": self.weight_bytes, "kv_bytes_per_token": self.kv_bytes_per_token,
+                "num_blocks": self.cache.num_blocks, "kv_cache_bytes": self.cache.nbytes}
+
+    def execute(self, batch: Batch) -> StepResult | None:
+        dev = self.device
+        meta = AttentionMetadata(
+            cu_seqlens_q=batch.cu_seqlens_q, context_lens=batch.context_lens,
+            block_tables=batch.block_tables,
+            slot_mapping=torch.tensor(batch.slot_mapping, device=dev),
+            kv_head_of_q=self.kv_head_of_q)
+        logits = self.model(torch.tensor(batch.token_ids, device=dev),
+                            torch.tensor(batch.positions, device=dev), self.cache, meta,
+                            torch.tensor(batch.logits_indices, device=dev, dtype=torch.long))
+        if self.rank != 0 or logits is None:
+            return None
+        logits = logits.cpu()
+        return StepResult(sample(logits, batch.sampling), logits if batch.return_logits else None)
+
+    def read_kv(self, layer: int, block_table: list[int], length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's K/V of one sequence ([length, local kv heads, d]), for inspection."""
+        k, v = self.cache.gather(layer, block_table, length)
+        return k.cpu(), v.cpu()

@@ -1,0 +1,84 @@
+"""Process groups and the few collectives the sharded layers need.
+
+Every function works for a world of one (no process group at all), so the single-rank engine
+runs exactly the same layer code as a tensor-parallel one.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+
+def backend_for(device: str) -> str:
+    return "nccl" if device.startswith("cuda") else "gloo"
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def init_process_group(master_addr: str, master_port: int, rank: int, world_size: int,
+                       backend: str, timeout_s: float) -> None:
+    """Join the group and prove it works with one warm-up all-reduce before any weights load."""
+    if dist.is_initialized():
+        raise RuntimeError("this process already belongs to a torch.distributed group")
+    dist.init_process_group(
+        backend=backend,
+        init_method=f"tcp://{master_addr}:{master_port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else "cpu"
+    probe = torch.ones(1, device=device)
+    dist.all_reduce(probe)
+    if int(probe.item()) != world_size:
+        raise RuntimeError(f"warm-up all-reduce gave {probe.item()}, expected {world_size}")
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """Sum over ranks, in place. A no-op for a world of one."""
+    if world_size() > 1:
+        dist.all_reduce(x)
+    return x
+
+
+def gather_last_dim(x: torch.Tensor, sizes: list[int]) -> torch.Tensor | None:
+    """Concatenate each rank's slice of the last dim on rank 0 (None elsewhere).
+
+    Slices may be uneven (`sizes[r]` columns on rank r): they are padded to the largest for the
+    collective and trimmed after.
+    """
+    if world_size() == 1:
+        return x
+    width = max(sizes)
+    padded = torch.nn.functional.pad(x, (0, width - x.shape[-1])).contiguous()
+    parts = [torch.empty_like(padded) for _ in sizes] if rank() == 0 else None
+    dist.gather(padded, parts, dst=0)
+    if rank() != 0:
+        return None
+    return torch.cat([p[..., :n] for p, n in zip(parts, sizes)], dim=-1)
+
+
+def destroy() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def node_ip() -> str:
+    """The address other ranks of a group reach this node at (loopback when alone)."""
+    return os.environ.get("PREFILL_NODE_IP") or socket.gethostbyname(socket.gethostname())

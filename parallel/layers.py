@@ -1,0 +1,127 @@
+"""Tensor-parallel layers. Each owns the slice of its weight that this rank holds and reads
+only that slice from the checkpoint, through a `TensorReader` that knows nothing of formats."""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from parallel import comm
+from parallel.partition import HeadPartition, Range, scale
+
+# (name, dim, start, stop) -> that slice of the named checkpoint tensor; dim None reads it whole.
+TensorReader = Callable[[str, int | None, int, int], torch.Tensor]
+
+
+def copy_checked(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
+    if tuple(value.shape) != tuple(param.shape):
+        raise ValueError(f"tensor {name!r}: checkpoint slice has shape {tuple(value.shape)}, "
+                         f"this rank expects {tuple(param.shape)}")
+    param.data.copy_(value)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x Wᵀ with W's output rows split over ranks; no communication.
+
+    One layer may fuse several checkpoint tensors (gate+up, q+k+v): `out_slices[i]` is this
+    rank's row range of the i-th tensor, and the local weight is their concatenation.
+    """
+
+    def __init__(self, in_features: int, out_slices: Sequence[Range], bias: bool = False):
+        super().__init__()
+        self.out_slices = list(out_slices)
+        out = sum(b - a for a, b in self.out_slices)
+        self.weight = nn.Parameter(torch.empty(out, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out), requires_grad=False) if bias else None
+
+    def load(self, read: TensorReader, names: Sequence[str]) -> None:
+        rows = [read(f"{n}.weight", 0, a, b) for n, (a, b) in zip(names, self.out_slices)]
+        copy_checked(self.weight, torch.cat(rows), f"{names[0]}.weight")
+        if self.bias is not None:
+            parts = [read(f"{n}.bias", 0, a, b) for n, (a, b) in zip(names, self.out_slices)]
+            copy_checked(self.bias, torch.cat(parts), f"{names[0]}.bias")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused q/k/v projection holding this rank's query heads and the KV heads they read."""
+
+    def __init__(self, hidden: int, head_dim: int, heads: HeadPartition, bias: bool):
+        kv = scale(heads.kv_heads, head_dim)
+        super().__init__(hidden, [scale(heads.q_heads, head_dim), kv, kv], bias)
+        self.q_size = heads.num_q_heads * head_dim
+        self.kv_size = heads.num_kv_heads * head_dim
+
+    def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+
+
+class RowParallelLinear(nn.Module):
+    """y = x Wᵀ with W's input columns split over ranks, then a sum over ranks (all-reduce)."""
+
+    def __init__(self, in_slice: Range, out_features: int, bias: bool = False):
+        super().__init__()
+        self.in_slice = in_slice
+        self.weight = nn.Parameter(torch.empty(out_features, in_slice[1] - in_slice[0]),
+                                   requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+
+    def load(self, read: TensorReader, name: str) -> None:
+        copy_checked(self.weight, read(f"{name}.weight", 1, *self.in_slice), f"{name}.weight")
+        if self.bias is not None:
+            copy_checked(self.bias, read(f"{name}.bias", None, 0, 0), f"{name}.bias")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = comm.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Each rank holds the rows of a slice of the vocabulary; ids outside it contribute zeros,
+    and the all-reduce assembles every token's row."""
+
+    def __init__(self, vocab_slice: Range, hidden: int):
+        super().__init__()
+        self.vocab_slice = vocab_slice
+        self.weight = nn.Parameter(torch.empty(vocab_slice[1] - vocab_slice[0], hidden),
+                                   requires_grad=False)
+
+    def load(self, read: TensorReader, name: str) -> None:
+        copy_checked(self.weight, read(f"{name}.weight", 0, *self.vocab_slice), f"{name}.weight")
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        start, stop = self.vocab_slice
+        if comm.world_size() == 1:
+            return F.embedding(ids, self.weight)
+        inside = (ids >= start) & (ids < stop)
+        rows = F.embedding((ids - start) * inside, self.weight) * inside.unsqueeze(-1)
+        return comm.all_reduce(rows)
+
+
+class ParallelLMHead(nn.Module):
+    """Logits for this rank's vocabulary slice, gathered to the full vocabulary on rank 0."""
+
+    def __init__(self, vocab_ranges: Sequence[Range], rank: int, hidden: int,
+                 tied_to: VocabParallelEmbedding | None = None):
+        super().__init__()
+        self.vocab_ranges = list(vocab_ranges)
+        self.vocab_slice = self.vocab_ranges[rank]
+        self.tied = tied_to is not None
+        if tied_to is not None:
+            self.weight = tied_to.weight  # same rows, same memory
+        else:
+            rows = self.vocab_slice[1] - self.vocab_slice[0]
+            self.weight = nn.Parameter(torch.empty(rows, hidden), requires_grad=False)
+
+    def load(self, read: TensorReader, name: str) -> None:
+        if not self.tied:
+            copy_checked(self.weight, read(f"{name}.weight", 0, *self.vocab_slice), f"{name}.weight")
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """hidden: [n, d] for the positions that need logits only. Returns [n, vocab] on rank 0."""
+        local = F.linear(hidden, self.weight)
+        return comm.gather_last_dim(local, [b - a for a, b in self.vocab_ranges])

@@ -1,0 +1,51 @@
+"""Shared fixtures: one Ray cluster for the whole session, tiny checkpoints built once."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """One local Ray instance shared by every test that needs rank actors."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """build(name) -> directory of a tiny random checkpoint, saved once per session."""
+    from tests.tiny_models import build
+
+    root = tmp_path_factory.mktemp("tiny_models")
+    return lambda name: build(name, root)
+
+
+@pytest.fixture(scope="session")
+def smollm2_path():
+    from engine.checkpoint import resolve_model
+
+    return str(resolve_model("smollm2"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_path):
+    from tests.reference import hf_model
+
+    return hf_model(smollm2_path)
+
+
+@pytest.fixture(scope="session")
+def smollm2_llm():
+    """One single-rank engine on SmolLM2, shared by the tests that only read from it."""
+    from engine import LLM
+
+    with LLM("smollm2") as llm:
+        yield llm
