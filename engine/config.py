@@ -20,6 +20,8 @@ class EngineConfig:
     executor: str = "auto"  # auto: in-process for one rank, Ray actors for more; or "ray"
     init_timeout_s: float = 120.0
     step_timeout_s: float = 30.0
+    ray_address: str | None = None  # None: $RAY_ADDRESS, else a local cluster
+    socket_ifname: str | None = None  # network interface for gloo/NCCL between nodes
     # engine.*
     device: str = "cpu"
     dtype: str | None = None  # None: float32 on CPU, bfloat16 on CUDA

@@ -5,14 +5,13 @@ import logging
 import time
 from typing import Sequence as Seq
 
-from engine.block_manager import BlockManager
 from engine.checkpoint import open_checkpoint
 from engine.config import EngineConfig
 from engine.errors import ConfigError, InvalidRequestError
-from engine.executor import make_executor
+from engine.executor import make_executors
 from engine.outputs import GenerateOutput, PrefillOutput
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.replica import Replica, StepTiming
 from engine.sequence import Sequence
 from engine.tokenizer import load_tokenizer
 from parallel.partition import partition_heads
@@ -34,14 +33,12 @@ class LLM:
         except ValueError as e:
             raise ConfigError(str(e)) from None
         self.max_model_len = cfg.max_model_len or mc.max_position_embeddings
-        self.executor = make_executor(cfg, ckpt)
-        self.rank_info = self.executor.call("info")
-        num_blocks = min(info["num_blocks"] for info in self.rank_info)
-        self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, cfg.max_num_batched_tokens, cfg.max_num_seqs,
-                                   self.max_model_len, mc.eos_token_ids)
-        log.info("KV cache: %d blocks of %d tokens (%d tokens) per rank", num_blocks,
-                 cfg.block_size, num_blocks * cfg.block_size)
+        self.replicas = [Replica(cfg, ex, self.max_model_len, mc.eos_token_ids)
+                         for ex in make_executors(cfg, ckpt)]
+        self.rank_info = self.replicas[0].rank_info
+        bm = self.replicas[0].block_manager
+        log.info("KV cache: %d blocks of %d tokens (%d tokens) per rank, %d replica(s) of tp=%d",
+                 bm.num_blocks, cfg.block_size, bm.num_blocks * cfg.block_size, cfg.dp, cfg.tp)
 
     # ---- public API -------------------------------------------------------------------------
 
@@ -63,20 +60,33 @@ class LLM:
                                self._text(s.output_token_ids), s.first_token_time - s.arrival_time,
                                s.num_cached_tokens, s.finish_reason) for s in seqs]
 
-    def read_kv(self, layer: int, block_table: list[int], length: int) -> list[tuple]:
+    def read_kv(self, layer: int, block_table: list[int], length: int,
+                replica: int = 0) -> list[tuple]:
         """Each rank's (K, V) of `length` positions stored in `block_table`, [length, kv heads, d]."""
-        return self.executor.call("read_kv", layer, block_table, length)
+        return self.replicas[replica].executor.call("read_kv", layer, block_table, length)
 
     def cache_stats(self) -> dict:
-        stats = self.block_manager.stats()
-        stats["kv_bytes_per_token_per_rank"] = [i["kv_bytes_per_token"] for i in self.rank_info]
-        stats["preemptions"] = self.scheduler.num_preemptions
-        return stats
+        """Per replica: blocks used/free, prefix-cache hits, preemptions, per-rank KV bytes."""
+        out = []
+        for r in self.replicas:
+            stats = r.block_manager.stats()
+            stats["kv_bytes_per_token_per_rank"] = [i["kv_bytes_per_token"] for i in r.rank_info]
+            stats["kv_cache_bytes_per_rank"] = [i["kv_cache_bytes"] for i in r.rank_info]
+            stats["preemptions"] = r.scheduler.num_preemptions
+            out.append(stats)
+        return {"replicas": out, **out[0]} if len(out) == 1 else {"replicas": out}
+
+    def step_timings(self, replica: int = 0) -> list[StepTiming]:
+        return list(self.replicas[replica].steps)
+
+    def placement(self) -> list[list[tuple[str, str]]]:
+        """(node ip, node id) of every rank, per replica."""
+        return [list(zip(r.executor.node_ips(), r.executor.node_ids())) for r in self.replicas]
 
     def shutdown(self) -> None:
-        if self.executor is not None:
-            self.executor.shutdown()
-            self.executor = None
+        for r in self.replicas:
+            r.executor.shutdown()
+        self.replicas = []
 
     def __enter__(self) -> "LLM":
         return self
@@ -90,12 +100,12 @@ class LLM:
         return self.tokenizer.decode(ids) if self.tokenizer else ""
 
     def _submit(self, prompts, params: SamplingParams, keep_first_logits: bool = False) -> list[Sequence]:
-        if self.executor is None:
+        if not self.replicas:
             raise InvalidRequestError("this LLM was shut down; create a new one")
         token_lists = [self._tokens(p) for p in _as_prompt_list(prompts)]
         seqs = [Sequence(t, params, keep_first_logits=keep_first_logits) for t in token_lists]
         for s in seqs:
-            self.scheduler.add(s)
+            min(self.replicas, key=lambda r: r.load).scheduler.add(s)
         return seqs
 
     def _tokens(self, prompt: Prompt) -> list[int]:
@@ -118,11 +128,11 @@ class LLM:
             raise InvalidRequestError(
                 f"prompt of {len(ids)} tokens exceeds max_model_len={self.max_model_len}; "
                 f"shorten it or raise max_model_len (at most the model's context)")
-        need = self.block_manager.blocks_for(len(ids) + 1)
-        if need > self.block_manager.num_blocks:
+        bm = self.replicas[0].block_manager
+        if bm.blocks_for(len(ids) + 1) > bm.num_blocks:
             raise InvalidRequestError(
-                f"prompt of {len(ids)} tokens needs {need} KV blocks but the cache holds "
-                f"{self.block_manager.num_blocks}; raise kv_cache_gb")
+                f"prompt of {len(ids)} tokens needs {bm.blocks_for(len(ids) + 1)} KV blocks but "
+                f"the cache holds {bm.num_blocks}; raise kv_cache_gb")
         return ids
 
     def _run(self, seqs: list[Sequence]) -> None:
@@ -130,16 +140,16 @@ class LLM:
             while any(s.finish_reason is None for s in seqs):
                 self._step()
         except BaseException:
-            self.scheduler.abort([s for s in seqs if s.finish_reason is None])
+            for r in self.replicas:
+                r.scheduler.abort([s for s in seqs if s.finish_reason is None])
             raise
 
     def _step(self) -> None:
-        scheduled = self.scheduler.schedule()
-        if not scheduled:
-            raise RuntimeError("scheduler found nothing to run while requests are pending")
-        batch = self.scheduler.build_batch(scheduled)
-        result = self.executor.call("execute", batch)[0]
-        self.scheduler.postprocess(scheduled, result.token_ids, result.logits)
+        """One step on every replica with work; the replicas run concurrently."""
+        launched = [(r, r.launch()) for r in self.replicas]
+        for replica, handle in launched:
+            if handle is not None:
+                replica.finish(handle)
 
 
 def _as_prompt_list(prompts) -> list[Prompt]:

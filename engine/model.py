@@ -115,8 +115,11 @@ class CausalLM(nn.Module):
             x, residual = layer.post_attention_layernorm(h, residual)
             h = layer.mlp(x)
         # only the rows that sample a token go through the final norm and the LM head
+        if not len(logits_indices):  # every rank sees the same batch, so all skip together
+            return None
         last = self.norm(h[logits_indices], residual[logits_indices])[0]
-        return self.lm_head(last).float() if len(logits_indices) else None
+        logits = self.lm_head(last)
+        return None if logits is None else logits.float()
 
     def load(self, read: TensorReader) -> None:
         self.embed_tokens.load(read, "model.embed_tokens")

@@ -125,10 +125,12 @@ class Scheduler:
     def abort(self, seqs: list[Sequence]) -> None:
         """Forget sequences whose step failed; their blocks go back, never half-registered."""
         for seq in seqs:
-            if seq.status is Status.RUNNING:
+            if seq in self.running:
                 self.blocks.free(seq)
                 self.running.remove(seq)
             elif seq in self.waiting:
                 self.waiting.remove(seq)
+            else:
+                continue  # another replica's
             seq.status = Status.FINISHED
             seq.finish_reason = "aborted"

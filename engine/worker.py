@@ -3,6 +3,8 @@
 The same class runs in the driver's process (one rank) or inside a Ray actor (one per rank)."""
 from __future__ import annotations
 
+import time
+
 import torch
 
 from engine.attention import AttentionMetadata
@@ -13,6 +15,8 @@ from engine.errors import ConfigError, ModelLoadError
 from engine.kv_cache import KVCache
 from engine.model import CausalLM, ShardPlan
 from engine.sampler import sample
+from parallel import comm
+from parallel.partition import partition_heads
 
 
 class Worker:
@@ -39,7 +43,10 @@ class Worker:
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
         heads = self.plan.heads.num_kv_heads
         self.kv_bytes_per_token = KVCache.bytes_per_token(mc.num_layers, heads, mc.head_dim, self.dtype)
-        num_blocks = int(cfg.kv_cache_gb * 2**30) // (self.kv_bytes_per_token * cfg.block_size)
+        # every rank gets the same number of blocks, as many as the rank with most KV heads fits
+        widest = max(p.num_kv_heads for p in partition_heads(mc.num_heads, mc.num_kv_heads, world_size))
+        widest_bytes = KVCache.bytes_per_token(mc.num_layers, widest, mc.head_dim, self.dtype)
+        num_blocks = int(cfg.kv_cache_gb * 2**30) // (widest_bytes * cfg.block_size)
         self.cache = KVCache(mc.num_layers, num_blocks, cfg.block_size, heads, mc.head_dim,
                              self.dtype, self.device)
         self.kv_head_of_q = torch.tensor(self.plan.heads.kv_head_of_q_head(), device=self.device)
@@ -52,7 +59,8 @@ class Worker:
                 "num_blocks": self.cache.num_blocks, "kv_cache_bytes": self.cache.nbytes}
 
     def execute(self, batch: Batch) -> StepResult | None:
-        dev = self.device
+        dev, start = self.device, time.perf_counter()
+        comm.collective_seconds()  # start this step's count from zero
         meta = AttentionMetadata(
             cu_seqlens_q=batch.cu_seqlens_q, context_lens=batch.context_lens,
             block_tables=batch.block_tables,
@@ -64,7 +72,9 @@ class Worker:
         if self.rank != 0 or logits is None:
             return None
         logits = logits.cpu()
-        return StepResult(sample(logits, batch.sampling), logits if batch.return_logits else None)
+        forward_s, collective_s = time.perf_counter() - start, comm.collective_seconds()
+        return StepResult(sample(logits, batch.sampling), logits if batch.return_logits else None,
+                          forward_s, collective_s)
 
     def read_kv(self, layer: int, block_table: list[int], length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's K/V of one sequence ([length, local kv heads, d]), for inspection."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import time
 
 import torch
 import torch.distributed as dist
@@ -42,6 +43,23 @@ def init_process_group(master_addr: str, master_port: int, rank: int, world_size
         raise RuntimeError(f"warm-up all-reduce gave {probe.item()}, expected {world_size}")
 
 
+class _CollectiveClock:
+    """Host time spent inside collectives since the last reset (exact on CPU; on CUDA it counts
+    only the launch unless the caller synchronizes)."""
+
+    seconds = 0.0
+
+    @classmethod
+    def take(cls) -> float:
+        spent, cls.seconds = cls.seconds, 0.0
+        return spent
+
+
+def collective_seconds() -> float:
+    """Seconds spent in collectives since the previous call."""
+    return _CollectiveClock.take()
+
+
 def world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
@@ -53,7 +71,9 @@ def rank() -> int:
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum over ranks, in place. A no-op for a world of one."""
     if world_size() > 1:
+        start = time.perf_counter()
         dist.all_reduce(x)
+        _CollectiveClock.seconds += time.perf_counter() - start
     return x
 
 
@@ -68,7 +88,9 @@ def gather_last_dim(x: torch.Tensor, sizes: list[int]) -> torch.Tensor | None:
     width = max(sizes)
     padded = torch.nn.functional.pad(x, (0, width - x.shape[-1])).contiguous()
     parts = [torch.empty_like(padded) for _ in sizes] if rank() == 0 else None
+    start = time.perf_counter()
     dist.gather(padded, parts, dst=0)
+    _CollectiveClock.seconds += time.perf_counter() - start
     if rank() != 0:
         return None
     return torch.cat([p[..., :n] for p, n in zip(parts, sizes)], dim=-1)

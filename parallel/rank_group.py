@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterable, NoReturn
 import ray
 import torch
 from ray.exceptions import RayError, RayTaskError
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import NODE_ID_LABEL_KEY, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from parallel import comm
@@ -44,6 +44,7 @@ class GroupOptions:
     env: dict[str, str] = field(default_factory=dict)
     placement_strategy: str = "STRICT_PACK"   # one TP group packed on one node
     placement_group: object | None = None     # an existing ray PlacementGroup, left to its owner
+    node_id: str | None = None                # pin every rank to this Ray node
 
 
 class RankGroupError(RuntimeError):
@@ -79,7 +80,8 @@ class _RankActor:
     def build(self, factory: Callable[..., Any], args: tuple, kwargs: dict) -> None:
         self._worker = factory(*args, rank=self._rank, world_size=self._world_size, **kwargs)
 
-    def invoke(self, method: str, args: tuple, kwargs: dict) -> Any:
+    def invoke(self, method: str, payload: tuple[tuple, dict]) -> Any:
+        args, kwargs = payload
         return getattr(self._worker, method)(*args, **kwargs)
 
     def close(self) -> None:
@@ -169,18 +171,30 @@ class RankGroup:
     def node_ips(self) -> list[str]:
         return list(self._ips)
 
+    def node_ids(self) -> list[str]:
+        """The Ray node id of each rank."""
+        return list(self._node_ids)
+
     def pids(self) -> list[int]:
         return list(self._pids)
 
     def call_async(self, method: str, *args: Any, **kwargs: Any) -> list[ray.ObjectRef]:
-        """Start `worker.method(*args, **kwargs)` on every rank; one ref per rank, in rank order."""
+        """Start `worker.method(*args, **kwargs)` on every rank; one ref per rank, in rank order.
+
+        The arguments are serialized once into the object store and every rank reads that copy.
+        """
         if not self._actors:
             raise RankGroupError("the rank group is shut down; create a new one")
-        return [actor.invoke.remote(method, args, kwargs) for actor in self._actors]
+        payload = ray.put((args, kwargs))
+        return [actor.invoke.remote(method, payload) for actor in self._actors]
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> list:
         """Run `worker.method(*args, **kwargs)` on every rank; the results in rank order."""
-        out = _gather(self.call_async(method, *args, **kwargs), self._options.step_timeout_s)
+        return self.collect(method, self.call_async(method, *args, **kwargs))
+
+    def collect(self, method: str, refs: list[ray.ObjectRef]) -> list:
+        """The results of a `call_async`, in rank order, waiting at most `step_timeout_s`."""
+        out = _gather(refs, self._options.step_timeout_s)
         failure = out.failure()
         if failure is None:
             return out.results
@@ -210,8 +224,10 @@ class RankGroup:
         opts = self._options
         bundle = {"GPU": 1, "CPU": 1} if _on_cuda(opts.device) else {"CPU": 1}
         if self._pg is None:
+            selector = [{NODE_ID_LABEL_KEY: opts.node_id}] * opts.world_size if opts.node_id else None
             self._pg = placement_group([dict(bundle)] * opts.world_size,
-                                       strategy=opts.placement_strategy)
+                                       strategy=opts.placement_strategy,
+                                       bundle_label_selector=selector)
         elif self._pg.bundle_count < opts.world_size:
             raise ValueError(f"the placement group has {self._pg.bundle_count} bundles, "
                              f"fewer than world_size={opts.world_size}")

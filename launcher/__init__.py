@@ -1,0 +1,1 @@
+"""How a person starts the engine: Hydra apps, Ray cluster connection, reports."""

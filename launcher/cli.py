@@ -1,0 +1,15 @@
+"""`prefill <app> [hydra overrides]`: one console script for every Hydra app."""
+from __future__ import annotations
+
+import importlib
+import sys
+
+APPS = {"generate": "launcher.generate"}
+
+
+def main() -> None:
+    if len(sys.argv) < 2 or sys.argv[1] not in APPS:
+        print(f"usage: prefill {{{'|'.join(APPS)}}} [key=value ...]", file=sys.stderr)
+        sys.exit(2)
+    app = sys.argv.pop(1)
+    importlib.import_module(APPS[app]).main()

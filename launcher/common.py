@@ -1,0 +1,15 @@
+"""Turning a Hydra config into an engine."""
+from __future__ import annotations
+
+from omegaconf import DictConfig, OmegaConf
+
+from engine import LLM
+
+
+def engine_settings(cfg: DictConfig) -> dict:
+    """`engine.*` and `parallel.*` keys are `LLM(...)` keyword arguments, one to one."""
+    return {**OmegaConf.to_container(cfg.engine), **OmegaConf.to_container(cfg.parallel)}
+
+
+def llm_from_config(cfg: DictConfig) -> LLM:
+    return LLM(cfg.model.path, **engine_settings(cfg))

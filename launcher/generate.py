@@ -1,0 +1,56 @@
+"""The main job: prefill a prompt, report TTFT and prefill speed, then decode."""
+from __future__ import annotations
+
+import time
+
+import hydra
+from omegaconf import DictConfig
+from rich.console import Console
+from rich.table import Table
+
+from engine import SamplingParams
+from launcher.common import llm_from_config
+
+CHAT_TEMPLATE = "<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def run(cfg: DictConfig, console: Console) -> dict:
+    with llm_from_config(cfg) as llm:
+        prompt = CHAT_TEMPLATE.format(prompt=cfg.prompt) if cfg.chat else cfg.prompt
+        params = SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature,
+                                top_k=cfg.top_k, top_p=cfg.top_p, seed=cfg.seed)
+        start = time.perf_counter()
+        [out] = llm.generate([prompt], params)
+        total = time.perf_counter() - start
+        n_prompt, n_out = len(out.prompt_token_ids), len(out.token_ids)
+        result = {
+            "model": cfg.model.path, "tp": llm.config.tp, "dtype": str(llm.config.torch_dtype),
+            "prompt_tokens": n_prompt, "first_token": out.token_ids[0],
+            "first_token_text": llm.tokenizer.piece(out.token_ids[0]) if llm.tokenizer else "",
+            "ttft_s": out.ttft_s, "prefill_tokens_per_s": n_prompt / out.ttft_s,
+            "decode_tokens_per_s": (n_out - 1) / (total - out.ttft_s) if n_out > 1 else float("nan"),
+            "text": out.text, "finish_reason": out.finish_reason,
+        }
+    _print(console, prompt, result)
+    return result
+
+
+def _print(console: Console, prompt: str, r: dict) -> None:
+    table = Table(title=f"{r['model']}  tp={r['tp']}  {r['dtype']}", show_header=False)
+    table.add_row("prompt tokens", str(r["prompt_tokens"]))
+    table.add_row("first token", f"{r['first_token']} {r['first_token_text']!r}")
+    table.add_row("TTFT", f"{r['ttft_s'] * 1e3:.1f} ms")
+    table.add_row("prefill", f"{r['prefill_tokens_per_s']:.0f} tokens/s")
+    table.add_row("decode", f"{r['decode_tokens_per_s']:.1f} tokens/s")
+    table.add_row("finish", r["finish_reason"])
+    console.print(table)
+    console.print(f"[bold]{prompt}[/bold]{r['text']}")
+
+
+@hydra.main(version_base=None, config_path="../conf", config_name="generate")
+def main(cfg: DictConfig) -> None:
+    run(cfg, Console())
+
+
+if __name__ == "__main__":
+    main()

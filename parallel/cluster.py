@@ -1,0 +1,52 @@
+"""Connecting to Ray and deciding which node each tensor-parallel group lives on."""
+from __future__ import annotations
+
+import os
+
+import ray
+
+
+def connect(address: str | None = None) -> None:
+    """Join the cluster at `address` (or $RAY_ADDRESS); start a local one if neither is set.
+
+    A local cluster keeps Ray's default token authentication and binds its dashboard nowhere.
+    """
+    if ray.is_initialized():
+        return
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=False)
+    else:
+        ray.init(include_dashboard=False, log_to_driver=False)
+
+
+def _unit(device: str) -> str:
+    return "CPU" if device == "cpu" else "GPU"
+
+
+def alive_nodes(device: str) -> dict[str, float]:
+    """Node id -> how many devices of the kind this engine uses it has, for every live node."""
+    unit = _unit(device)
+    return {n["NodeID"]: n["Resources"].get(unit, 0.0) for n in ray.nodes()
+            if n["Alive"] and n["Resources"].get(unit, 0.0) > 0}
+
+
+def plan_replicas(dp: int, tp: int, device: str) -> list[str]:
+    """A node for each of `dp` TP groups: every group packed on one node, groups spread over
+    the nodes with the most devices left. Fails at once, naming the shortfall, when the
+    cluster is too small; a cluster big enough but busy is caught by the placement timeout."""
+    unit = _unit(device)
+    left = alive_nodes(device)
+    if dp * tp > sum(left.values()):
+        raise ValueError(f"{dp} replica(s) x tp={tp} need {dp * tp} {unit}s but the Ray cluster has "
+                         f"{sum(left.values()):g}; lower tp/dp or add nodes")
+    chosen: list[str] = []
+    for replica in range(dp):
+        fits = [n for n in left if left[n] >= tp]
+        if not fits:
+            raise ValueError(f"no node has {tp} {unit}s left for replica {replica}: a TP group must "
+                             f"fit on one node ({unit}s per node: {sorted(left.values(), reverse=True)})")
+        node = max(fits, key=lambda n: (left[n], -chosen.count(n)))
+        chosen.append(node)
+        left[node] -= tp
+    return chosen
