@@ -1,12 +1,14 @@
 """Paged KV blocks on the driver, and the prefix cache over them.
 
 Every full block is keyed by a chained hash of its tokens and of the block before it, so a key
-names a whole prefix. A hit is served only after its tokens are compared, so a hash collision
-can never hand out another prompt's K/V. Blocks nobody references stay cached until the pool
+names a whole prefix. A hit is served only after its tokens and its parent's key are compared,
+so a hash collision can never hand out another prompt's K/V. Blocks nobody references stay cached until the pool
 needs them, least recently freed first.
 """
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable
@@ -17,7 +19,12 @@ HashFn = Callable[[int | None, tuple[int, ...]], int]
 
 
 def chain_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
-    return hash((parent, tokens))
+    """A 64-bit key of (parent key, tokens). Python's own tuple hash is cheap to collide on
+    purpose; a keyed digest is not, and the token/parent check backs it up anyway."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update((parent or 0).to_bytes(8, "little", signed=False))
+    h.update(array("q", tokens).tobytes())
+    return int.from_bytes(h.digest(), "little")
 
 
 @dataclass(slots=True)
@@ -25,7 +32,12 @@ class Block:
     block_id: int
     ref_count: int = 0
     hash: int | None = None
+    parent_hash: int | None = None
     token_ids: tuple[int, ...] = ()
+
+    def holds(self, parent: int | None, tokens: tuple[int, ...]) -> bool:
+        """Whether this block really is `tokens` following the prefix named by `parent`."""
+        return self.hash is not None and self.parent_hash == parent and self.token_ids == tokens
 
 
 class BlockManager:
@@ -60,7 +72,7 @@ class BlockManager:
             bid = self.cached.get(h)
             if bid is None:
                 break
-            if self.blocks[bid].token_ids != chunk:
+            if not self.blocks[bid].holds(parent, chunk):
                 self.collisions += 1
                 break
             hits.append(bid)
@@ -105,7 +117,7 @@ class BlockManager:
             chunk = tuple(seq.token_ids[b * self.block_size:(b + 1) * self.block_size])
             h = self.hash_fn(seq.parent_hash, chunk)
             block = self.blocks[seq.block_table[b]]
-            block.hash, block.token_ids = h, chunk
+            block.hash, block.parent_hash, block.token_ids = h, seq.parent_hash, chunk
             self.cached.setdefault(h, block.block_id)
             seq.parent_hash = h
         seq.num_hashed_blocks = max(seq.num_hashed_blocks, full)
@@ -132,7 +144,7 @@ class BlockManager:
         block = self.blocks[bid]
         if block.hash is not None and self.cached.get(block.hash) == bid:
             del self.cached[block.hash]  # evicted: its contents are about to be overwritten
-        block.hash, block.token_ids, block.ref_count = None, (), 1
+        block.hash, block.parent_hash, block.token_ids, block.ref_count = None, None, (), 1
         return bid
 
     def stats(self) -> dict:

@@ -33,6 +33,9 @@ class LLM:
         except ValueError as e:
             raise ConfigError(str(e)) from None
         self.max_model_len = cfg.max_model_len or mc.max_position_embeddings
+        if self.max_model_len > mc.max_position_embeddings:
+            raise ConfigError(f"max_model_len={cfg.max_model_len} exceeds the model's context of "
+                              f"{mc.max_position_embeddings} tokens; use at most that")
         self.replicas = [Replica(cfg, ex, self.max_model_len, mc.eos_token_ids)
                          for ex in make_executors(cfg, ckpt)]
         self.rank_info = self.replicas[0].rank_info

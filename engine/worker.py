@@ -11,7 +11,7 @@ from engine.attention import AttentionMetadata
 from engine.batch import Batch, StepResult
 from engine.checkpoint import Checkpoint, open_checkpoint
 from engine.config import EngineConfig
-from engine.errors import ConfigError, ModelLoadError
+from engine.errors import ModelLoadError
 from engine.kv_cache import KVCache
 from engine.model import CausalLM, ShardPlan
 from engine.sampler import sample
@@ -28,9 +28,6 @@ class Worker:
         ckpt = checkpoint or open_checkpoint(cfg.model)
         self.model_cfg = mc = ckpt.config
         self.max_model_len = cfg.max_model_len or mc.max_position_embeddings
-        if self.max_model_len > mc.max_position_embeddings:
-            raise ConfigError(f"max_model_len={cfg.max_model_len} exceeds the model's context of "
-                              f"{mc.max_position_embeddings} tokens; use at most that")
         self.plan = ShardPlan.for_rank(mc, rank, world_size)
         self.model = CausalLM(mc, self.plan, self.max_model_len)
         try:

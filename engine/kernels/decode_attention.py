@@ -1,0 +1,188 @@
+"""Decode attention over the paged KV cache: one new query per sequence, split-K.
+
+A decode step reads the whole context of every sequence to produce one row each: it is bound by
+memory traffic, and with few sequences a grid of (sequence, KV head) would leave most of the GPU
+idle. So the context is cut into splits of kv_per_split keys, each program folds one split into a
+partial softmax (running max m, denominator l, unnormalised accumulator), and a second kernel merges
+the splits of each (sequence, query head).
+
+Each split program serves every query head that reads its KV head, so each K/V tile is loaded once
+per group, not once per query head. The group's query rows form the M side of tl.dot, padded to 16
+(the MMA minimum); the padding costs tensor-core work that a memory-bound kernel has to spare.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.attention import AttentionMetadata
+from engine.kernels.flash_attention import paged_attention_reference
+from engine.kernels.interpreter import needs_fp32_dot
+from engine.kernels.kv_store import triton_kv_store
+from engine.kernels.paging import block_table_tensor
+from engine.kv_cache import KVCache
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, ctx_ptr, table_ptr, group_ptr,
+                         part_acc_ptr, part_m_ptr, part_l_ptr, qk_scale,
+                         stride_qb, stride_qh,
+                         stride_cblock, stride_cslot, stride_chead, stride_table, stride_group,
+                         stride_pb, stride_ph,
+                         block_size, head_dim, kv_per_split,
+                         BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                         FP32_DOT: tl.constexpr, PRECISION: tl.constexpr):
+    seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    kv_len = tl.load(ctx_ptr + seq)
+    start = split * kv_per_split
+    end = tl.minimum(start + kv_per_split, kv_len)  # empty (start >= end) for short sequences
+    table_ptr += seq.to(tl.int64) * stride_table
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < head_dim
+    q_head = tl.load(group_ptr + kv_head * stride_group + offs_g)  # -1 pads the group
+    g_ok = q_head >= 0
+    q = tl.load(q_ptr + seq.to(tl.int64) * stride_qb + q_head[:, None] * stride_qh
+                + offs_d[None, :], mask=g_ok[:, None] & d_ok[None, :], other=0.0)
+    if FP32_DOT:
+        q = q.to(tl.float32)
+
+    acc = tl.zeros((BLOCK_G, BLOCK_D), dtype=tl.float32)
+    m_i = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_G,), dtype=tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        in_split = pos < end
+        block = tl.load(table_ptr + pos // block_size, mask=in_split, other=0).to(tl.int64)
+        row = block * stride_cblock + (pos % block_size) * stride_cslot + kv_head * stride_chead
+        kv_mask = in_split[:, None] & d_ok[None, :]
+        k = tl.load(k_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        if FP32_DOT:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # log2 units
+        s = tl.where(in_split[None, :], s, float("-inf"))
+        # the first tile of a split always holds key `start`, so m_new is finite: no NaN
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+
+    # partials are indexed by query head, so the merge needs no knowledge of the grouping, and
+    # it reads only the splits that hold keys. part_acc is [B, hq, splits, BLOCK_D] contiguous,
+    # i.e. part_m's [B, hq, splits] layout times BLOCK_D
+    part = seq.to(tl.int64) * stride_pb + q_head * stride_ph + split
+    tl.store(part_acc_ptr + part[:, None] * BLOCK_D + offs_d[None, :], acc,
+             mask=g_ok[:, None] & d_ok[None, :])
+    tl.store(part_m_ptr + part, m_i, mask=g_ok)
+    tl.store(part_l_ptr + part, l_i, mask=g_ok)
+
+
+@triton.jit
+def _decode_merge_kernel(part_acc_ptr, part_m_ptr, part_l_ptr, ctx_ptr, out_ptr,
+                         stride_pb, stride_ph, stride_ob, stride_oh,
+                         head_dim, kv_per_split,
+                         BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    seq, head = tl.program_id(0), tl.program_id(1)
+    num_splits = tl.cdiv(tl.load(ctx_ptr + seq), kv_per_split)  # those of this sequence
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_ok = offs_s < num_splits
+    d_ok = offs_d < head_dim
+    part = seq.to(tl.int64) * stride_pb + head * stride_ph + offs_s
+    m = tl.load(part_m_ptr + part, mask=s_ok, other=float("-inf"))
+    l = tl.load(part_l_ptr + part, mask=s_ok, other=0.0)
+    acc = tl.load(part_acc_ptr + part[:, None] * BLOCK_D + offs_d[None, :],
+                  mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+    # rescale every split to the global max; splits past the context get weight exp2(-inf) = 0
+    w = tl.exp2(m - tl.max(m, axis=0))
+    out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+    tl.store(out_ptr + seq.to(tl.int64) * stride_ob + head * stride_oh + offs_d,
+             out.to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
+def _group_table(kv_head_of_q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """[hkv, BLOCK_G] int32: the query heads reading each KV head, padded with -1. Built from the
+    explicit map because GQA groups may be uneven on a tensor-parallel rank."""
+    groups: list[list[int]] = [[] for _ in range(num_kv_heads)]
+    for q_head, kv_head in enumerate(kv_head_of_q.tolist()):
+        groups[kv_head].append(q_head)
+    width = max(16, triton.next_power_of_2(max(len(g) for g in groups)))
+    rows = [g + [-1] * (width - len(g)) for g in groups]
+    return torch.tensor(rows, dtype=torch.int32, device=kv_head_of_q.device)
+
+
+def _default_kv_per_split(q: torch.Tensor, num_seqs: int, num_kv_heads: int, max_kv: int,
+                          block_n: int) -> int:
+    """Enough splits for about two programs per SM, but no split under 256 keys: shorter ones
+    cost more in partial writes and merging than they win in parallelism."""
+    if q.device.type != "cuda":
+        return triton.cdiv(max_kv, block_n) * block_n  # the interpreter gains nothing from splits
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    splits = triton.cdiv(2 * sms, num_seqs * num_kv_heads)
+    per_split = triton.cdiv(triton.cdiv(max_kv, splits), block_n) * block_n
+    return max(256, per_split)
+
+
+def triton_decode_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            cache: KVCache, meta: AttentionMetadata, scale: float,
+                            kv_per_split: int | None = None,
+                            block_n: int | None = None) -> torch.Tensor:
+    """Same contract as triton_attention when every sequence has exactly one new token:
+    q [B, hq, d], k/v [B, hkv, d]. Stores k/v, returns [B, hq, d] in q's dtype.
+    kv_per_split (a multiple of block_n) overrides the split length."""
+    num_seqs, num_q_heads, head_dim = q.shape
+    assert meta.cu_seqlens_q == list(range(num_seqs + 1)), "decode takes one query per sequence"
+    assert q.stride(-1) == 1, "head dim must be contiguous"
+    triton_kv_store(cache, layer, k, v, meta.slot_mapping)
+    out = torch.empty((num_seqs, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
+    if num_seqs == 0:
+        return out
+    num_kv_heads = k.shape[1]
+    block_n = block_n or (16 if q.device.type == "cpu" else 64)
+    max_kv = max(meta.context_lens)
+    kv_per_split = kv_per_split or _default_kv_per_split(q, num_seqs, num_kv_heads, max_kv, block_n)
+    assert kv_per_split % block_n == 0, (kv_per_split, block_n)
+    num_splits = triton.cdiv(max_kv, kv_per_split)
+
+    dev = q.device
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    ctx = torch.tensor(meta.context_lens, dtype=torch.int32, device=dev)
+    table = block_table_tensor(meta.block_tables, dev)
+    groups = _group_table(meta.kv_head_of_q, num_kv_heads)
+    part_acc = torch.empty((num_seqs, num_q_heads, num_splits, block_d), dtype=torch.float32,
+                           device=dev)
+    part_m = torch.empty((num_seqs, num_q_heads, num_splits), dtype=torch.float32, device=dev)
+    part_l = torch.empty_like(part_m)
+    k_cache, v_cache = cache.layer(layer)
+    fp32_dot = needs_fp32_dot(q)
+    precision = "ieee" if q.dtype == torch.float32 or fp32_dot else "tf32"
+    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, ctx, table, groups, part_acc, part_m, part_l, scale * _LOG2E,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), table.stride(0), groups.stride(0),
+        part_m.stride(0), part_m.stride(1),
+        cache.block_size, head_dim, kv_per_split,
+        BLOCK_G=groups.shape[1], BLOCK_N=block_n, BLOCK_D=block_d,
+        FP32_DOT=fp32_dot, PRECISION=precision)
+    _decode_merge_kernel[(num_seqs, num_q_heads)](
+        part_acc, part_m, part_l, ctx, out,
+        part_m.stride(0), part_m.stride(1), out.stride(0), out.stride(1),
+        head_dim, kv_per_split,
+        BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d)
+    return out
+
+
+def decode_attention_reference(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                               cache: KVCache, meta: AttentionMetadata,
+                               scale: float) -> torch.Tensor:
+    """The same function as triton_decode_attention, in plain torch."""
+    cache.store(layer, k, v, meta.slot_mapping)
+    return paged_attention_reference(layer, q, cache, meta, scale)

@@ -1,0 +1,217 @@
+"""Triton kernels under the CPU interpreter, against their torch references and the engine's own
+torch paths (engine.attention.torch_attention, engine.model.RMSNorm, engine.rope.RotaryEmbedding).
+
+Shapes are tiny on purpose: the interpreter costs about a millisecond per program instance.
+"""
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: see _interpreted
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+from engine.attention import AttentionMetadata, torch_attention
+from engine.kernels import (decode_attention, flash_attention, kv_store, rmsnorm, rope,
+                            silu_mul)
+from engine.kv_cache import KVCache
+from engine.model import RMSNorm
+from engine.model_config import ModelConfig
+from engine.rope import RotaryEmbedding
+
+# error allowed (absolute and relative), per dtype. bf16 keeps 8 significant bits, and the
+# interpreter casts fp32 -> bf16 by truncation where torch and the GPU round to nearest, so bf16
+# results may differ from torch's by one bf16 ulp (2**-7 relative) on top of summation order.
+ATOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor,
+           precision: torch.dtype | None = None) -> None:
+    """precision: the narrowest dtype the values passed through (default: their own)."""
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    tol = ATOL[precision or actual.dtype]
+    torch.testing.assert_close(actual.float(), expected.float(), atol=tol, rtol=tol)
+
+
+@pytest.fixture(autouse=True)
+def _interpreted():
+    """@triton.jit picks the interpreter when it decorates, and triton.language's own helpers
+    (tl.zeros, tl.sum, ...) are decorated when triton is first imported. Re-importing triton is
+    not safe, so if anything in this process imported it before TRITON_INTERPRET was set, say
+    so instead of failing obscurely."""
+    kernels = [flash_attention._flash_prefill_kernel, decode_attention._decode_split_kernel,
+               decode_attention._decode_merge_kernel, kv_store._kv_store_kernel,
+               rmsnorm._rmsnorm_kernel, rope._rope_kernel, silu_mul._silu_mul_kernel, tl.zeros]
+    if not all(isinstance(k, InterpretedFunction) for k in kernels):
+        pytest.fail("triton was imported before TRITON_INTERPRET=1 was set; run this file in its "
+                    "own process or set the variable in tests/conftest.py")
+
+
+@dataclass
+class PagedCase:
+    """A packed batch over a paged cache whose every slot starts random, so a sequence's cached
+    prefix (context_len > q_len) is already in place and stray reads would show."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    meta: AttentionMetadata
+    caches: list[KVCache]  # identical copies, one per implementation under comparison
+
+
+def _paged_case(q_lens: list[int], context_lens: list[int], kv_head_of_q: list[int],
+                num_kv_heads: int, head_dim: int, dtype: torch.dtype, block_size: int,
+                copies: int = 3, seed: int = 0) -> PagedCase:
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-n // block_size) for n in context_lens) + 3
+    order = torch.randperm(num_blocks, generator=gen).tolist()  # scattered, not in order
+    tables, slots, cu = [], [], [0]
+    for q_len, ctx in zip(q_lens, context_lens):
+        n = -(-ctx // block_size)
+        table, order = order[:n], order[n:]
+        tables.append(table)
+        slots += [table[p // block_size] * block_size + p % block_size
+                  for p in range(ctx - q_len, ctx)]
+        cu.append(cu[-1] + q_len)
+    meta = AttentionMetadata(cu, context_lens, tables, torch.tensor(slots),
+                             torch.tensor(kv_head_of_q))
+    layers = 2
+    init = torch.randn(2, layers, num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    caches = []
+    for _ in range(copies):
+        cache = KVCache(layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, "cpu")
+        cache.data.copy_(init)
+        caches.append(cache)
+    # q/k/v as views of one fused projection, strided like the model's
+    hq, t = len(kv_head_of_q), cu[-1]
+    qkv = torch.randn(t, (hq + 2 * num_kv_heads) * head_dim, generator=gen).to(dtype)
+    q, k, v = qkv.split([hq * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=1)
+    return PagedCase(q.view(t, hq, head_dim), k.view(t, num_kv_heads, head_dim),
+                     v.view(t, num_kv_heads, head_dim), meta, caches)
+
+
+PREFILL_CASES = {
+    # name: q_lens, context_lens, kv_head_of_q, kv heads, head dim, dtype, block size
+    "gqa-uneven-mixed-fp32": ([5, 20, 1], [5, 30, 9], [0, 0, 1], 2, 64, torch.float32, 4),
+    "mqa-prefix-bf16": ([17, 3], [17, 40], [0, 0, 0, 0], 1, 128, torch.bfloat16, 4),
+    "mha-d24-odd-block-fp32": ([33], [37], [0, 1], 2, 24, torch.float32, 5),
+    "gqa-d32-bf16": ([7, 9], [7, 26], [0, 1, 1, 1], 2, 32, torch.bfloat16, 8),
+    "decode-fp16": ([1, 1, 1], [7, 19, 2], [0, 0, 1], 2, 64, torch.float16, 4),
+}
+
+
+@pytest.mark.parametrize("name", PREFILL_CASES)
+def test_flash_attention(name):
+    c = _paged_case(*PREFILL_CASES[name])
+    layer, scale = 1, c.q.shape[-1] ** -0.5
+    out = flash_attention.triton_attention(layer, c.q, c.k, c.v, c.caches[0], c.meta, scale)
+    ref = flash_attention.flash_attention_reference(layer, c.q, c.k, c.v, c.caches[1], c.meta,
+                                                    scale)
+    engine = torch_attention(layer, c.q, c.k, c.v, c.caches[2], c.meta, scale)
+    _close(out, ref)
+    _close(out, engine)
+    assert torch.equal(c.caches[0].data, c.caches[2].data)  # the new K/V landed in their slots
+
+
+def test_flash_attention_tile_sizes():
+    """Query tiles wider than the key tiles, and key tiles that straddle cache blocks."""
+    c = _paged_case([30, 4], [35, 4], [0, 1, 1], 2, 64, torch.float32, 6)
+    scale = 0.125
+    out = flash_attention.triton_attention(0, c.q, c.k, c.v, c.caches[0], c.meta, scale,
+                                           block_m=32, block_n=16)
+    _close(out, torch_attention(0, c.q, c.k, c.v, c.caches[1], c.meta, scale))
+
+
+DECODE_CASES = {
+    # name: context_lens, kv_head_of_q, kv heads, head dim, dtype, block size, kv_per_split
+    "splits-gqa-uneven-fp32": ([5, 37, 1, 16], [0, 0, 1], 2, 64, torch.float32, 4, 16),
+    "one-split-fp32": ([5, 37], [0, 1, 1], 2, 32, torch.float32, 4, None),
+    "splits-mqa-bf16": ([50, 3], [0, 0, 0], 1, 128, torch.bfloat16, 8, 32),
+    "splits-d24-fp16": ([17, 33], [0, 1, 0, 1], 2, 24, torch.float16, 5, 16),
+}
+
+
+@pytest.mark.parametrize("name", DECODE_CASES)
+def test_decode_attention(name):
+    ctx, mapping, hkv, d, dtype, block_size, per_split = DECODE_CASES[name]
+    c = _paged_case([1] * len(ctx), ctx, mapping, hkv, d, dtype, block_size)
+    layer, scale = 0, d ** -0.5
+    out = decode_attention.triton_decode_attention(layer, c.q, c.k, c.v, c.caches[0], c.meta,
+                                                   scale, kv_per_split=per_split)
+    ref = decode_attention.decode_attention_reference(layer, c.q, c.k, c.v, c.caches[1], c.meta,
+                                                      scale)
+    engine = torch_attention(layer, c.q, c.k, c.v, c.caches[2], c.meta, scale)
+    _close(out, ref)
+    _close(out, engine)
+    assert torch.equal(c.caches[0].data, c.caches[2].data)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_store(dtype):
+    c = _paged_case([3, 6], [10, 6], [0, 1, 2], 3, 24, dtype, 4, copies=2)
+    kv_store.triton_kv_store(c.caches[0], 1, c.k, c.v, c.meta.slot_mapping)  # strided k/v views
+    kv_store.kv_store_reference(c.caches[1], 1, c.k, c.v, c.meta.slot_mapping)
+    assert torch.equal(c.caches[0].data, c.caches[1].data)
+
+
+@pytest.mark.parametrize("x_dtype,w_dtype", [(torch.float32, torch.float32),
+                                             (torch.bfloat16, torch.bfloat16),
+                                             (torch.bfloat16, torch.float32)])
+@pytest.mark.parametrize("with_residual", [False, True])
+@pytest.mark.parametrize("hidden", [48, 64])
+def test_rmsnorm(x_dtype, w_dtype, with_residual, hidden):
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(5, hidden, generator=gen).to(x_dtype)
+    residual = torch.randn(5, hidden, generator=gen).to(x_dtype) if with_residual else None
+    norm = RMSNorm(hidden, 1e-6).to(w_dtype)
+    norm.weight.copy_(torch.rand(hidden, generator=gen) + 0.5)
+    out, new_residual = rmsnorm.triton_rmsnorm(x, residual, norm.weight, norm.eps)
+    ref, ref_residual = rmsnorm.rmsnorm_reference(x, residual, norm.weight, norm.eps)
+    engine = norm(x, residual)
+    engine_out, engine_residual = engine if with_residual else (engine, x)
+    if with_residual:
+        _close(new_residual, ref_residual)
+        _close(new_residual, engine_residual)
+    else:
+        assert new_residual is x
+    _close(out, ref, x_dtype)  # an fp32 weight gives fp32 output of a row rounded to x's dtype
+    _close(out, engine_out, x_dtype)
+
+
+def _rope_tables(head_dim: int, max_positions: int) -> RotaryEmbedding:
+    cfg = ModelConfig(architecture="llama", hidden_size=4 * head_dim, num_layers=1, num_heads=4,
+                      num_kv_heads=2, head_dim=head_dim, intermediate_size=8, vocab_size=8,
+                      rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=max_positions,
+                      tie_word_embeddings=False)
+    return RotaryEmbedding(cfg, max_positions)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [24, 64])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_rope(dtype, head_dim, inplace):
+    gen = torch.Generator().manual_seed(2)
+    emb = _rope_tables(head_dim, 64)
+    t, hq, hkv = 7, 3, 2
+    qk = torch.randn(t, (hq + hkv) * head_dim, generator=gen).to(dtype)
+    q, k = (x.view(t, -1, head_dim) for x in qk.split([hq * head_dim, hkv * head_dim], dim=1))
+    positions = torch.tensor([0, 1, 2, 40, 41, 63, 5])
+    ref_q, ref_k = rope.rope_reference(positions, q, k, emb.cos, emb.sin)
+    engine_q, engine_k = emb(positions, q, k)
+    out_q, out_k = rope.triton_rope(positions, q, k, emb.cos, emb.sin, inplace=inplace)
+    if inplace:
+        assert out_q.data_ptr() == q.data_ptr() and out_k.data_ptr() == k.data_ptr()
+    for out, ref, engine in ((out_q, ref_q, engine_q), (out_k, ref_k, engine_k)):
+        _close(out, ref)
+        _close(out, engine)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul(dtype):
+    gen = torch.Generator().manual_seed(3)
+    gate_up = (3 * torch.randn(6, 80, generator=gen)).to(dtype)
+    out = silu_mul.triton_silu_mul(gate_up, block=16)  # 40 columns: three blocks, one partial
+    _close(out, silu_mul.silu_mul_reference(gate_up))
