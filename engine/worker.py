@@ -66,12 +66,14 @@ class Worker:
         logits = self.model(torch.tensor(batch.token_ids, device=dev),
                             torch.tensor(batch.positions, device=dev), self.cache, meta,
                             torch.tensor(batch.logits_indices, device=dev, dtype=torch.long))
-        if self.rank != 0 or logits is None:
+        if self.rank != 0:
             return None
-        logits = logits.cpu()
+        tokens = []
+        if logits is not None:  # None: every sequence is mid-prompt, nothing to sample
+            logits = logits.cpu()
+            tokens = sample(logits, batch.sampling)
         forward_s, collective_s = time.perf_counter() - start, comm.collective_seconds()
-        return StepResult(sample(logits, batch.sampling), logits if batch.return_logits else None,
-                          forward_s, collective_s)
+        return StepResult(tokens, logits if batch.return_logits else None, forward_s, collective_s)
 
     def read_kv(self, layer: int, block_table: list[int], length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's K/V of one sequence ([length, local kv heads, d]), for inspection."""

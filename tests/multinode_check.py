@@ -68,22 +68,23 @@ def _run(llm, prompts) -> dict:
 def _check_pinning(node_ids: list[str]) -> dict:
     """RankGroup's `node_id` (a `bundle_label_selector` on `ray.io/node-id`) on its own.
 
-    A 2-rank group pinned to each node, the node the driver is not on first (left to itself Ray
-    would start with the driver's node); then, while a pinned group fills a node, a 1-rank group
-    pinned to that same full node must fail to place rather than land on the free node.
+    A 2-rank group pinned to the node the driver is not on (left to itself Ray would place it on
+    the driver's node, which is free); then, while that group fills its node, a 1-rank group
+    pinned to the same full node must fail to place rather than land on the free one.
     """
+    import ray
+
     from parallel.rank_group import GroupOptions, RankGroup, RankGroupError
 
-    out: dict = {"landed": {}, "overfull": None}
+    driver = ray.get_runtime_context().get_node_id()
+    [node] = [n for n in node_ids if n != driver]
+    out: dict = {"node": node, "overfull": None}
     # `dict(rank=r, world_size=n)` is a worker any Ray process can build; `get` reads it back.
-    for node in reversed(node_ids):
-        with RankGroup(dict, GroupOptions(world_size=2, init_timeout_s=30, node_id=node)) as g:
-            out["landed"][node] = {"node_ids": g.node_ids(), "ranks": g.call("get", "rank")}
-    full = node_ids[-1]
-    with RankGroup(dict, GroupOptions(world_size=2, init_timeout_s=30, node_id=full)):
+    with RankGroup(dict, GroupOptions(world_size=2, init_timeout_s=30, node_id=node)) as g:
+        out["node_ids"], out["ranks"] = g.node_ids(), g.call("get", "rank")
         t0 = time.perf_counter()
         try:
-            RankGroup(dict, GroupOptions(world_size=1, init_timeout_s=3, node_id=full)).shutdown()
+            RankGroup(dict, GroupOptions(world_size=1, init_timeout_s=3, node_id=node)).shutdown()
         except RankGroupError as e:
             out["overfull"] = {"error": str(e), "s": round(time.perf_counter() - t0, 2)}
     return out

@@ -36,18 +36,22 @@ def triton_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch
     the weight shares it)."""
     hidden = x.shape[-1]
     rows = x.reshape(-1, hidden)
-    assert rows.stride(-1) == 1, "hidden dim must be contiguous"
+    assert rows.stride(-1) == 1 and weight.is_contiguous(), "hidden dim must be contiguous"
     out = torch.empty(rows.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
     if residual is None:
         res_in, res_out = rows, rows  # never read nor written: HAS_RESIDUAL is False
     else:
         res_in = residual.reshape(-1, hidden)
+        assert res_in.stride(-1) == 1, "hidden dim must be contiguous"
         res_out = torch.empty_like(rows)
+    block = triton.next_power_of_2(hidden)
     if len(rows):
+        # about 512 elements per warp: wide rows get more warps instead of spilling registers
         _rmsnorm_kernel[(len(rows),)](
             rows, res_in, weight, out, res_out,
             rows.stride(0), res_in.stride(0), out.stride(0), res_out.stride(0), hidden, eps,
-            HAS_RESIDUAL=residual is not None, BLOCK=triton.next_power_of_2(hidden))
+            HAS_RESIDUAL=residual is not None, BLOCK=block,
+            num_warps=min(16, max(1, block // 512)))
     new_residual = x if residual is None else res_out.view(x.shape)
     return out.view(x.shape), new_residual
 
