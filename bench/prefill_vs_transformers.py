@@ -5,23 +5,13 @@
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
 from engine import LLM
 from engine.checkpoint import resolve_model
 from engine.costs import forward_flops
-
-
-def _best_of(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times), statistics.median(times)
+from bench.common import best_of, machine, random_ids
 
 
 def main() -> None:
@@ -37,17 +27,17 @@ def main() -> None:
     hf = hf_model(str(resolve_model(args.model))).to(dtype)
     llm = LLM(args.model, dtype=args.dtype, enable_prefix_caching=False,
               max_num_batched_tokens=max(args.lengths))
-    print(f"threads={torch.get_num_threads()} dtype={args.dtype} model={args.model}")
+    print(f"{machine()}; dtype={args.dtype} model={args.model}; best of {args.repeats}")
     print(f"{'tokens':>6} {'engine tok/s':>12} {'GFLOP/s':>8} {'hf tok/s':>9} {'GFLOP/s':>8} {'ratio':>6}")
     for n in args.lengths:
-        ids = torch.randint(3, llm.model_config.vocab_size, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+        ids = random_ids(n, llm.model_config.vocab_size, seed=n)
         flops = forward_flops(llm.model_config, n, n)
         llm.prefill([ids])  # warm-up
-        ours, _ = _best_of(lambda: llm.prefill([ids]), args.repeats)
+        ours = best_of(lambda: llm.prefill([ids]), args.repeats)
         with torch.inference_mode():
             x = torch.tensor([ids])
             hf(x, logits_to_keep=1)
-            theirs, _ = _best_of(lambda: hf(x, logits_to_keep=1), args.repeats)
+            theirs = best_of(lambda: hf(x, logits_to_keep=1), args.repeats)
         print(f"{n:>6} {n / ours:>12.0f} {flops / ours / 1e9:>8.1f} {n / theirs:>9.0f} "
               f"{flops / theirs / 1e9:>8.1f} {theirs / ours:>6.2f}")
     llm.shutdown()

@@ -31,7 +31,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 64
     enable_prefix_caching: bool = True
-    attention_backend: str = "torch"
+    attention_backend: str = "auto"  # auto: triton on CUDA, torch on CPU
     num_threads: int | None = None
 
     @classmethod
@@ -62,8 +62,8 @@ class EngineConfig:
         _require(self.max_num_batched_tokens >= 1,
                  f"max_num_batched_tokens={self.max_num_batched_tokens}: use a positive integer")
         _require(self.max_num_seqs >= 1, f"max_num_seqs={self.max_num_seqs}: use a positive integer")
-        _require(self.attention_backend == "torch",
-                 f"attention_backend={self.attention_backend!r}: only 'torch' exists so far")
+        _require(self.attention_backend in ("auto", "torch", "triton"),
+                 f"attention_backend={self.attention_backend!r}: use 'auto', 'torch' or 'triton'")
 
 
 def _require(ok: bool, message: str) -> None:

@@ -5,6 +5,7 @@ import logging
 import time
 from typing import Sequence as Seq
 
+from engine.backend import select_backend
 from engine.checkpoint import open_checkpoint
 from engine.config import EngineConfig
 from engine.errors import ConfigError, InvalidRequestError
@@ -32,6 +33,7 @@ class LLM:
             partition_heads(mc.num_heads, mc.num_kv_heads, cfg.tp)
         except ValueError as e:
             raise ConfigError(str(e)) from None
+        select_backend(cfg.attention_backend, cfg.device)  # a bad choice fails here, not in a rank
         self.max_model_len = cfg.max_model_len or mc.max_position_embeddings
         if self.max_model_len > mc.max_position_embeddings:
             raise ConfigError(f"max_model_len={cfg.max_model_len} exceeds the model's context of "

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.attention import AttentionMetadata, torch_attention
+from engine.attention import AttentionMetadata
+from engine.backend import TORCH, Backend
 from engine.kv_cache import KVCache
 from engine.model_config import ModelConfig
 from engine.rope import RotaryEmbedding
@@ -35,27 +36,21 @@ class ShardPlan:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, backend: Backend):
         super().__init__()
-        self.eps = eps
+        self.eps, self.backend = eps, backend
         self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """Normalise x (+ residual when given); returns (normed, new residual) in the latter case."""
-        if residual is not None:
-            x = x + residual
-            residual = x
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = self.weight * h.to(x.dtype)
-        return out if residual is None else (out, residual)
+        """(normed x + residual, x + residual): the sum is the next residual."""
+        return self.backend.rmsnorm(x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, plan: ShardPlan, rope: RotaryEmbedding):
+    def __init__(self, cfg: ModelConfig, plan: ShardPlan, rope: RotaryEmbedding, backend: Backend):
         super().__init__()
         hd = cfg.head_dim
-        self.head_dim, self.scale, self.rope = hd, hd ** -0.5, rope
+        self.head_dim, self.scale, self.rope, self.backend = hd, hd ** -0.5, rope, backend
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, hd, plan.heads, cfg.qkv_bias)
         self.o_proj = RowParallelLinear(scale(plan.heads.q_heads, hd), cfg.hidden_size)
 
@@ -65,39 +60,41 @@ class Attention(nn.Module):
         q = q.view(len(x), -1, self.head_dim)
         k = k.view(len(x), -1, self.head_dim)
         v = v.view(len(x), -1, self.head_dim)
-        q, k = self.rope(positions, q, k)
-        o = torch_attention(layer, q, k, v, cache, meta, self.scale)
+        q, k = self.backend.rope(positions, q, k, self.rope.cos, self.rope.sin)
+        o = self.backend.attention(layer, q, k, v, cache, meta, self.scale)
         return self.o_proj(o.flatten(1))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, plan: ShardPlan):
+    def __init__(self, cfg: ModelConfig, plan: ShardPlan, backend: Backend):
         super().__init__()
+        self.backend = backend
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [plan.ffn, plan.ffn])
         self.down_proj = RowParallelLinear(plan.ffn, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+        return self.down_proj(self.backend.silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, plan: ShardPlan, rope: RotaryEmbedding):
+    def __init__(self, cfg: ModelConfig, plan: ShardPlan, rope: RotaryEmbedding, backend: Backend):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, plan, rope)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, plan)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
+        self.self_attn = Attention(cfg, plan, rope, backend)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
+        self.mlp = MLP(cfg, plan, backend)
 
 
 class CausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, plan: ShardPlan, max_positions: int):
+    def __init__(self, cfg: ModelConfig, plan: ShardPlan, max_positions: int,
+                 backend: Backend = TORCH):
         super().__init__()
         self.cfg, self.plan = cfg, plan
         rope = RotaryEmbedding(cfg, max_positions)
         self.embed_tokens = VocabParallelEmbedding(plan.vocab_ranges[plan.rank], cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, plan, rope) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, plan, rope, backend)
+                                    for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
         self.lm_head = ParallelLMHead(plan.vocab_ranges, plan.rank, cfg.hidden_size,
                                       self.embed_tokens if cfg.tie_word_embeddings else None)
 
@@ -107,10 +104,7 @@ class CausalLM(nn.Module):
         """Logits [len(logits_indices), vocab] on rank 0 (None on other ranks)."""
         h, residual = self.embed_tokens(token_ids), None
         for i, layer in enumerate(self.layers):
-            if residual is None:
-                residual, x = h, layer.input_layernorm(h)
-            else:
-                x, residual = layer.input_layernorm(h, residual)
+            x, residual = layer.input_layernorm(h, residual)
             h = layer.self_attn(i, x, positions, cache, meta)
             x, residual = layer.post_attention_layernorm(h, residual)
             h = layer.mlp(x)

@@ -22,6 +22,8 @@ def _llama3_scaled(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding(torch.nn.Module):
+    """cos/sin tables [max_positions, head_dim/2], float32 whatever the model dtype."""
+
     def __init__(self, cfg: ModelConfig, max_positions: int):
         super().__init__()
         d = cfg.head_dim
@@ -31,14 +33,3 @@ class RotaryEmbedding(torch.nn.Module):
         angles = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
         self.register_buffer("cos", angles.cos().float(), persistent=False)
         self.register_buffer("sin", angles.sin().float(), persistent=False)
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q: [T, heads, d], k: [T, kv_heads, d]; rotated copies in the input dtype."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)

@@ -9,6 +9,7 @@ import torch
 
 from engine.attention import AttentionMetadata
 from engine.batch import Batch, StepResult
+from engine.backend import select_backend
 from engine.checkpoint import Checkpoint, open_checkpoint
 from engine.config import EngineConfig
 from engine.errors import ModelLoadError
@@ -29,7 +30,8 @@ class Worker:
         self.model_cfg = mc = ckpt.config
         self.max_model_len = cfg.max_model_len or mc.max_position_embeddings
         self.plan = ShardPlan.for_rank(mc, rank, world_size)
-        self.model = CausalLM(mc, self.plan, self.max_model_len)
+        self.backend = select_backend(cfg.attention_backend, cfg.device)
+        self.model = CausalLM(mc, self.plan, self.max_model_len, self.backend)
         try:
             self.model.load(ckpt.read)
         except ValueError as e:

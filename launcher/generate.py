@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from engine import SamplingParams
-from launcher.common import llm_from_config
+from launcher.common import CONF_DIR, llm_from_config
 
 CHAT_TEMPLATE = "<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
 
@@ -47,7 +47,7 @@ def _print(console: Console, prompt: str, r: dict) -> None:
     console.print(f"[bold]{prompt}[/bold]{r['text']}")
 
 
-@hydra.main(version_base=None, config_path="../conf", config_name="generate")
+@hydra.main(version_base=None, config_path=CONF_DIR, config_name="generate")
 def main(cfg: DictConfig) -> None:
     run(cfg, Console())
 

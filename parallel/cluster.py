@@ -7,17 +7,31 @@ import ray
 
 
 def connect(address: str | None = None) -> None:
-    """Join the cluster at `address` (or $RAY_ADDRESS); start a local one if neither is set.
-
-    A local cluster keeps Ray's default token authentication and binds its dashboard nowhere.
-    """
+    """Join the cluster at `address` (or $RAY_ADDRESS, or one `ray start` left on this machine);
+    otherwise start a local one. Ray's token authentication stays on, and a cluster the engine
+    starts serves no dashboard."""
     if ray.is_initialized():
         return
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
+        _send_auth_token_if_any()
         ray.init(address=address, log_to_driver=False)
     else:
         ray.init(include_dashboard=False, log_to_driver=False)
+
+
+def _send_auth_token_if_any() -> None:
+    """Ray sends its token (~/.ray/auth_token, $RAY_AUTH_TOKEN) to a cluster it finds by itself,
+    but to an explicit address only under RAY_AUTH_MODE=token; a cluster without auth accepts
+    a token too, so send one whenever there is one."""
+    if "RAY_AUTH_MODE" in os.environ:
+        return
+    try:
+        from ray._private.authentication.authentication_token_setup import (
+            maybe_enable_token_auth_if_token_available)
+    except ImportError:  # a Ray without token authentication
+        return
+    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
 
 
 def _unit(device: str) -> str:

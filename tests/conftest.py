@@ -4,8 +4,13 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Triton decides interpreter vs compiled when a kernel is decorated, i.e. at import: set it before
+# any test module imports triton. A machine with a GPU runs the kernels compiled.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

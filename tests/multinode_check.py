@@ -5,6 +5,8 @@
 Builds a `ray.cluster_utils.Cluster` of two nodes with 2 CPUs each on this machine (distinct node
 ids, one IP), connects to it, and checks what `tests/test_multinode.py` asserts:
 
+- a RankGroup pinned to a node id (`bundle_label_selector` on `ray.io/node-id`) lands on that
+  node, and one pinned to a full node fails to place instead of landing elsewhere;
 - `LLM(model, tp=2, dp=2)`: each replica's ranks share one node, the two replicas use two nodes,
   and its greedy tokens and first-step logits equal a single-rank `LLM(model)`'s;
 - `LLM(model, tp=3)` (3 CPUs on one node, while the cluster has 4 in all) fails at once with

@@ -71,8 +71,7 @@ def test_generate_app_rejects_an_unknown_key():
 
 def _prefill_script() -> Path:
     script = BIN / "prefill"
-    if not script.exists():
-        pytest.skip(f"{script} is missing: install the project with `pip install -e .`")
+    assert script.exists(), f"{script} is missing: scripts/setup.sh installs it (pip install -e .)"
     return script
 
 
@@ -168,9 +167,8 @@ def test_app_joins_a_ray_start_cluster_through_ray_address():
 def test_ray_job_submit_runs_the_app_on_the_cluster():
     import ray._private.utils as ray_utils
 
-    missing = ray_utils.get_dashboard_dependency_error()
-    if missing is not None:
-        pytest.skip(f"`ray job submit` needs Ray's dashboard (pip install 'ray[default]'): {missing}")
+    # the project depends on ray[default]; without the dashboard there is no job server
+    assert ray_utils.get_dashboard_dependency_error() is None
     job = f"prefill-test-{uuid.uuid4().hex[:8]}"
     ray_cli = str(BIN / "ray")
     with ray_head(dashboard=True) as head:
@@ -187,5 +185,5 @@ def test_ray_job_submit_runs_the_app_on_the_cluster():
         logs = subproc.run([ray_cli, "job", "logs", "--address", head.dashboard_url, job],
                            timeout=60, env=head.env)
     assert submit.returncode == 0, submit.explain()
-    assert "SUCCEEDED" in status.stdout + status.stderr, status.explain()
+    assert "succeeded" in (status.stdout + status.stderr).lower(), status.explain()
     assert "' Paris'" in logs.stdout and "TTFT" in logs.stdout, logs.explain() + submit.explain()

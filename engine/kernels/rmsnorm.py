@@ -5,6 +5,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.ops import rmsnorm as rmsnorm_reference  # the plain-torch function this kernel replaces
+
 
 @triton.jit
 def _rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
@@ -54,12 +56,3 @@ def triton_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch
             num_warps=min(16, max(1, block // 512)))
     new_residual = x if residual is None else res_out.view(x.shape)
     return out.view(x.shape), new_residual
-
-
-def rmsnorm_reference(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    if residual is not None:
-        x = x + residual
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype), x

@@ -5,6 +5,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.ops import rope as rope_reference  # the plain-torch function this kernel replaces
+
 
 @triton.jit
 def _rotate_heads(x_ptr, out_ptr, token, stride_xt, stride_xh, stride_ot, stride_oh,
@@ -63,15 +65,3 @@ def triton_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: 
             BLOCK_KH=triton.next_power_of_2(k.shape[1]),
             BLOCK_HALF=triton.next_power_of_2(head_dim // 2))
     return q_out, k_out
-
-
-def rope_reference(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-                   sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    c = cos[positions].unsqueeze(1)
-    s = sin[positions].unsqueeze(1)
-
-    def rotate(x: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x.float().chunk(2, dim=-1)
-        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
-
-    return rotate(q), rotate(k)

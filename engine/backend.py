@@ -1,0 +1,55 @@
+"""Which implementation runs each op: plain torch (SDPA on CPU) or the Triton kernels.
+
+`auto` picks Triton on CUDA and torch elsewhere; either can be forced. On a CPU the Triton path
+runs under the interpreter, which needs TRITON_INTERPRET=1 set before triton is imported.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+from engine import ops
+from engine.attention import torch_attention
+from engine.errors import ConfigError
+
+BACKENDS = ("auto", "torch", "triton")
+
+
+@dataclass(frozen=True, slots=True)
+class Backend:
+    name: str
+    attention: Callable  # (layer, q, k, v, cache, meta, scale) -> out; stores k/v first
+    rmsnorm: Callable  # (x, residual | None, weight, eps) -> (normed, new residual)
+    rope: Callable  # (positions, q, k, cos, sin) -> (q, k)
+    silu_mul: Callable  # (gate_up) -> out
+
+
+TORCH = Backend("torch", torch_attention, ops.rmsnorm, ops.rope, ops.silu_mul)
+
+
+def _triton() -> Backend:
+    import triton  # noqa: F401  (fails here, clearly, when triton is missing)
+
+    from engine import kernels
+
+    def attention(layer, q, k, v, cache, meta, scale):
+        if len(q) == len(meta.context_lens):  # one new token per sequence: a decode step
+            return kernels.triton_decode_attention(layer, q, k, v, cache, meta, scale)
+        return kernels.triton_attention(layer, q, k, v, cache, meta, scale)
+
+    name = "triton-interpreter" if os.environ.get("TRITON_INTERPRET") == "1" else "triton"
+    return Backend(name, attention, kernels.triton_rmsnorm, kernels.triton_rope,
+                   kernels.triton_silu_mul)
+
+
+def select_backend(name: str, device: str) -> Backend:
+    if name == "torch" or (name == "auto" and not device.startswith("cuda")):
+        return TORCH
+    if name in ("triton", "auto"):
+        if not device.startswith("cuda"):
+            if os.environ.get("TRITON_INTERPRET") != "1":
+                raise ConfigError("attention_backend='triton' on a CPU needs TRITON_INTERPRET=1 "
+                                  "set before the engine starts (slow: for tests only)")
+        return _triton()
+    raise ConfigError(f"attention_backend={name!r}: use one of {BACKENDS}")

@@ -1,0 +1,75 @@
+"""The roof of the roofline: peak FLOP/s and memory bandwidth, from a spec sheet or measured."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+# dense bf16 tensor-core FLOP/s and HBM bandwidth from the vendors' spec sheets
+SPECS = {
+    "h100": (989e12, 3.35e12),
+    "h200": (989e12, 4.8e12),
+    "a100": (312e12, 2.0e12),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Hardware:
+    name: str
+    peak_flops: float  # FLOP/s
+    peak_bytes: float  # bytes/s
+
+    @property
+    def ridge(self) -> float:
+        """Arithmetic intensity (FLOP/byte) where an op stops being memory-bound."""
+        return self.peak_flops / self.peak_bytes
+
+    def bound(self, flops: int, nbytes: int) -> str:
+        if nbytes == 0:
+            return "compute"
+        return "compute" if flops / nbytes >= self.ridge else "memory"
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "peak_flops": self.peak_flops, "peak_bytes_per_s": self.peak_bytes,
+                "ridge_flops_per_byte": self.ridge}
+
+
+def _best_seconds(fn, repeats: int = 5) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure(device: str, dtype: torch.dtype) -> Hardware:
+    """A short matmul and a large copy on this device, in the model's dtype."""
+    n = 1024 if device == "cpu" else 8192
+    a = torch.randn(n, n, device=device).to(dtype)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+
+    def matmul():
+        a @ a
+        sync()
+
+    src = torch.empty(64 * 2**20 // 4, device=device)  # 64 MiB, past the caches
+    dst = torch.empty_like(src)
+
+    def copy():
+        dst.copy_(src)
+        sync()
+
+    flops = 2 * n ** 3 / _best_seconds(matmul)
+    bandwidth = 2 * src.numel() * 4 / _best_seconds(copy)  # read + write
+    return Hardware(f"{device}-measured", flops, bandwidth)
+
+
+def hardware(name: str, device: str, dtype: torch.dtype) -> Hardware:
+    if name in SPECS:
+        return Hardware(name, *SPECS[name])
+    if name in (f"{device.split(':')[0]}-measured", "measured"):
+        return measure(device, dtype)
+    raise ValueError(f"hardware={name!r}: use one of {sorted(SPECS)} or 'cpu-measured'/'cuda-measured'")

@@ -1,0 +1,72 @@
+"""Per-rank record of every op a forward runs: its shapes, FLOPs, bytes moved and time.
+
+Off by default and then nearly free (one attribute test per op). When on, each op is timed
+between device synchronisations, so the numbers are the op's own, not the queue's.
+"""
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class OpRecord:
+    name: str
+    layer: int  # -1 outside the transformer layers
+    rank: int
+    shapes: str
+    flops: int
+    bytes: int
+    start_s: float
+    time_s: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class Tracer:
+    def __init__(self) -> None:
+        self.enabled = False
+        self.rank = 0
+        self.layer = -1
+        self.records: list[OpRecord] = []
+        self._origin = 0.0
+
+    def start(self, rank: int) -> None:
+        self.enabled, self.rank, self.layer, self.records = True, rank, -1, []
+        self._origin = time.perf_counter()
+
+    def stop(self) -> list[OpRecord]:
+        self.enabled = False
+        records, self.records = self.records, []
+        return records
+
+    @contextmanager
+    def op(self, name: str, shapes: str, flops: int, nbytes: int, device: torch.device | None = None):
+        if not self.enabled:
+            yield
+            return
+        cuda = device is not None and device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        yield
+        if cuda:
+            torch.cuda.synchronize(device)
+        end = time.perf_counter()
+        self.records.append(OpRecord(name, self.layer, self.rank, shapes, int(flops), int(nbytes),
+                                     start - self._origin, end - start))
+
+
+TRACER = Tracer()  # one per process, i.e. one per rank
+
+
+def nbytes(*tensors: torch.Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def shape(t: torch.Tensor) -> str:
+    return "[" + ", ".join(str(d) for d in t.shape) + "]"

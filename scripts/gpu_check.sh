@@ -1,0 +1,138 @@
+#!/usr/bin/env bash
+# The one prepared device check: the Triton kernel tests compiled on the GPU, then the attention
+# and engine-prefill benchmark. Sized for a lent H200 (10-minute command, 15 minutes of device
+# time in all): every step runs under `timeout`; the limits add up to about 7 minutes, and a
+# normal run should take 3 to 4 (an estimate: it has not run on a GPU yet).
+#
+#   bash scripts/gpu_check.sh                 # on the GPU machine, from anywhere
+#   bash scripts/gpu_check.sh --cpu-dry-run   # here: same steps, tiny sizes, Triton interpreted
+#
+# Everything printed also goes to $OUT/gpu_check.log when OUT is set (the device tool's folder).
+# A failed step is reported and the rest still run, so one run shows as much as it can; the exit
+# status is non-zero if any step failed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+# seconds per step (overridable): setup is expected to fail fast offline, the tests compile a few
+# dozen kernel variants, the benchmark builds and loads a 1B model (~1 min) before timing
+SETUP_S=${GPU_CHECK_SETUP_S:-45} INFO_S=${GPU_CHECK_INFO_S:-30}
+TESTS_S=${GPU_CHECK_TESTS_S:-150} BENCH_S=${GPU_CHECK_BENCH_S:-170}
+PY=.venv/bin/python
+FAILED=()
+
+usage() { echo "usage: bash scripts/gpu_check.sh [--cpu-dry-run]" >&2; exit 2; }
+
+# step NAME SECONDS COMMAND...: run it under timeout, log its outcome, never abort the script
+step() {
+    local name=$1 limit=$2 rc=0 start=$SECONDS
+    shift 2
+    echo
+    echo "=== $name (limit ${limit}s) ==="
+    timeout --kill-after=10 "$limit" "$@" || rc=$?
+    if [ "$rc" -eq 0 ]; then
+        echo "=== $name: ok in $((SECONDS - start))s ==="
+    else
+        [ "$rc" -eq 124 ] && echo "=== $name: TIMED OUT after ${limit}s ===" \
+            || echo "=== $name: FAILED (exit $rc) after $((SECONDS - start))s ==="
+        FAILED+=("$name")
+    fi
+}
+
+# A venv made by a python3 that is itself a venv (/opt/torch/.venv on the device machine) sees
+# the base interpreter's packages, not that venv's CUDA torch: point it there with a .pth file.
+link_image_packages() {
+    "$PY" -c "import torch" 2>/dev/null && return 0
+    local site
+    site=$("$PY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+    python3 -c "import site; print('\n'.join(site.getsitepackages()))" >"$site/_image_packages.pth"
+    echo "linked .venv to python3's packages: $(tr '\n' ' ' <"$site/_image_packages.pth")"
+}
+
+prepare_gpu_venv() {
+    unset TRITON_INTERPRET  # compiled kernels: the interpreter would read GPU memory as host
+    # created here, as setup.sh would, so that it can be linked before setup.sh's pip runs:
+    # unlinked, pip would try to fetch a second torch of several GB
+    # (without pip where the base python has no ensurepip, as Debian's may not)
+    [ -x "$PY" ] || python3 -m venv --system-site-packages .venv \
+        || python3 -m venv --system-site-packages --without-pip .venv
+    link_image_packages
+    # the device machine reaches no package index, so setup.sh's pip install fails there: fail
+    # fast (no retries) and go on with the image's packages and the source tree on PYTHONPATH
+    step "setup.sh" "$SETUP_S" env PIP_RETRIES=0 PIP_TIMEOUT=5 PIP_DISABLE_PIP_VERSION_CHECK=1 \
+        bash scripts/setup.sh
+    if [ "${FAILED[*]-}" = "setup.sh" ]; then
+        echo "(setup.sh failing offline is expected; continuing with the image's packages)"
+        FAILED=()
+    fi
+    if ! "$PY" -c "import torch, triton, pytest, transformers" 2>/dev/null; then
+        echo "$PY lacks the image's packages even when linked: using python3 itself"
+        PY=python3
+    fi
+}
+
+prepare_cpu_venv() {
+    export TRITON_INTERPRET=1
+    # setup.sh would pip install into the existing venv; a dry run only needs it to exist
+    [ -x "$PY" ] || step "setup.sh" "$SETUP_S" bash scripts/setup.sh
+}
+
+# what the kernels will run on, printed where the log starts
+VERSIONS_PY='
+import os, sys, torch, triton
+interp = os.environ.get("TRITON_INTERPRET")
+print(f"python {sys.version.split()[0]} ({sys.executable})  torch {torch.__version__} "
+      f"(CUDA {torch.version.cuda})  triton {triton.__version__}  TRITON_INTERPRET={interp}")
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    print(f"{p.name}: {p.multi_processor_count} SMs, {p.total_memory / 2**30:.0f} GiB, "
+          f"capability {p.major}.{p.minor}")
+import engine  # the source tree, installed or on PYTHONPATH
+print("engine from", os.path.dirname(engine.__file__))
+'
+
+show_machine() {
+    if command -v nvidia-smi >/dev/null 2>&1; then
+        step "nvidia-smi" 20 nvidia-smi --format=csv --query-gpu=name,driver_version,memory.total,memory.used,utilization.gpu,clocks.sm,clocks.max.sm,temperature.gpu,power.draw
+    else
+        echo "no nvidia-smi here; $(nproc) CPU cores"
+    fi
+    step "versions" "$INFO_S" "$PY" -c "$VERSIONS_PY"
+}
+
+main() {
+    local mode=gpu
+    case "${1:-}" in
+        --cpu-dry-run) mode=cpu ;;
+        "") ;;
+        *) usage ;;
+    esac
+    export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+    echo "gpu_check ($mode) in $PWD at $(date -u +%FT%TZ)"
+    "prepare_${mode}_venv"
+    show_machine
+    if [ "$mode" = gpu ] && ! "$PY" -c "import torch; assert torch.cuda.is_available()" 2>/dev/null; then
+        echo "no CUDA device visible to $PY: nothing to check"
+        exit 1
+    fi
+    step "kernel tests" "$TESTS_S" "$PY" -m pytest -q tests/test_kernels.py --durations=5
+    if [ "$mode" = gpu ]; then
+        step "benchmark" "$BENCH_S" "$PY" -m bench.kernel_bench --lengths 512 2048 8192
+    else  # seconds per interpreted call: the smallest shapes that still span several tiles
+        step "benchmark" "$BENCH_S" "$PY" -m bench.kernel_bench --lengths 32 64 \
+            --engine-repeats 1 --engine-backend triton
+    fi
+    echo
+    if [ ${#FAILED[@]} -eq 0 ]; then
+        echo "gpu_check ($mode): all steps passed"
+    else
+        echo "gpu_check ($mode): FAILED: ${FAILED[*]}"
+        exit 1
+    fi
+}
+
+if [ -n "${OUT:-}" ]; then
+    mkdir -p "$OUT"
+    main "$@" 2>&1 | tee "$OUT/gpu_check.log"  # pipefail: the script's status stays main's
+else
+    main "$@"
+fi
