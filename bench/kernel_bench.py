@@ -152,6 +152,7 @@ def attention_rows(length: int, dtype: torch.dtype, device: torch.device,
     sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
         q4, k4, v4, is_causal=True, scale=scale)
     ref = sdpa()[0].transpose(0, 1)
+    cache.store(0, k, v, meta.slot_mapping)  # attention reads the new K/V from the cache
     impls = {"triton paged": lambda: triton_attention(0, q, k, v, cache, meta, scale),
              "torch SDPA": sdpa}
     need = naive_gib(length, dtype)

@@ -30,8 +30,8 @@ def _causal_mask(q_len: int, kv_len: int, device) -> torch.Tensor:
 
 def torch_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     cache: KVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: [T, hq, d], k/v: [T, hkv, d] for the new tokens. Returns [T, hq, d]."""
-    cache.store(layer, k, v, meta.slot_mapping)
+    """q: [T, hq, d], k/v: [T, hkv, d] for the new tokens, already stored in the cache.
+    Returns [T, hq, d]."""
     out = torch.empty_like(q)
     bounds = meta.cu_seqlens_q
     for i, kv_len in enumerate(meta.context_lens):

@@ -12,6 +12,7 @@ from typing import Callable
 from engine import ops
 from engine.attention import torch_attention
 from engine.errors import ConfigError
+from engine.kv_cache import KVCache
 
 BACKENDS = ("auto", "torch", "triton")
 
@@ -19,13 +20,14 @@ BACKENDS = ("auto", "torch", "triton")
 @dataclass(frozen=True, slots=True)
 class Backend:
     name: str
-    attention: Callable  # (layer, q, k, v, cache, meta, scale) -> out; stores k/v first
+    kv_store: Callable  # (cache, layer, k, v, slot_mapping): new K/V into their slots
+    attention: Callable  # (layer, q, k, v, cache, meta, scale) -> out; k/v already stored
     rmsnorm: Callable  # (x, residual | None, weight, eps) -> (normed, new residual)
     rope: Callable  # (positions, q, k, cos, sin) -> (q, k)
     silu_mul: Callable  # (gate_up) -> out
 
 
-TORCH = Backend("torch", torch_attention, ops.rmsnorm, ops.rope, ops.silu_mul)
+TORCH = Backend("torch", KVCache.store, torch_attention, ops.rmsnorm, ops.rope, ops.silu_mul)
 
 
 def _triton() -> Backend:
@@ -39,8 +41,8 @@ def _triton() -> Backend:
         return kernels.triton_attention(layer, q, k, v, cache, meta, scale)
 
     name = "triton-interpreter" if os.environ.get("TRITON_INTERPRET") == "1" else "triton"
-    return Backend(name, attention, kernels.triton_rmsnorm, kernels.triton_rope,
-                   kernels.triton_silu_mul)
+    return Backend(name, kernels.triton_kv_store, attention, kernels.triton_rmsnorm,
+                   kernels.triton_rope, kernels.triton_silu_mul)
 
 
 def select_backend(name: str, device: str) -> Backend:

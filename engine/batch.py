@@ -54,3 +54,4 @@ class StepResult:
     logits: torch.Tensor | None = None
     forward_s: float = 0.0  # rank 0's time in the forward pass
     collective_s: float = 0.0  # of which inside all-reduce / gather
+    sample_s: float = 0.0  # rank 0's time choosing the tokens

@@ -65,6 +65,16 @@ class LLM:
                                self._text(s.output_token_ids), s.first_token_time - s.arrival_time,
                                s.num_cached_tokens, s.finish_reason) for s in seqs]
 
+    def walkthrough(self, prompt: Prompt, hardware: str = "cpu-measured", decode_tokens: int = 8,
+                    top_k: int = 5):
+        """A measured walk through this engine's prefill of `prompt` and one decode step: every
+        op per layer per rank, the KV cache, the first token, the cache's savings, the TTFT."""
+        from engine.hardware import hardware as lookup
+        from engine.walkthrough import run_walkthrough
+
+        hw = lookup(hardware, self.config.device, self.config.torch_dtype)
+        return run_walkthrough(self, prompt, hw, decode_tokens, top_k)
+
     def read_kv(self, layer: int, block_table: list[int], length: int,
                 replica: int = 0) -> list[tuple]:
         """Each rank's (K, V) of `length` positions stored in `block_table`, [length, kv heads, d]."""

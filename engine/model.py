@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from engine import costs
 from engine.attention import AttentionMetadata
 from engine.backend import TORCH, Backend
 from engine.kv_cache import KVCache
@@ -16,6 +17,7 @@ from parallel.layers import (ColumnParallelLinear, ParallelLMHead, QKVParallelLi
                              RowParallelLinear, TensorReader, VocabParallelEmbedding,
                              copy_checked)
 from parallel.partition import HeadPartition, Range, even_ranges, partition_heads, scale
+from parallel.trace import TRACER
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,14 +38,15 @@ class ShardPlan:
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, backend: Backend):
+    def __init__(self, dim: int, eps: float, backend: Backend, trace_name: str):
         super().__init__()
-        self.eps, self.backend = eps, backend
+        self.eps, self.backend, self.trace_name = eps, backend, trace_name
         self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """(normed x + residual, x + residual): the sum is the next residual."""
-        return self.backend.rmsnorm(x, residual, self.weight, self.eps)
+        with TRACER.op(self.trace_name, lambda: costs.rmsnorm(x, residual, self.weight), x.device):
+            return self.backend.rmsnorm(x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -52,7 +55,8 @@ class Attention(nn.Module):
         hd = cfg.head_dim
         self.head_dim, self.scale, self.rope, self.backend = hd, hd ** -0.5, rope, backend
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, hd, plan.heads, cfg.qkv_bias)
-        self.o_proj = RowParallelLinear(scale(plan.heads.q_heads, hd), cfg.hidden_size)
+        self.o_proj = RowParallelLinear(scale(plan.heads.q_heads, hd), cfg.hidden_size,
+                                        trace_name="o_proj")
 
     def forward(self, layer: int, x: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -60,8 +64,12 @@ class Attention(nn.Module):
         q = q.view(len(x), -1, self.head_dim)
         k = k.view(len(x), -1, self.head_dim)
         v = v.view(len(x), -1, self.head_dim)
-        q, k = self.backend.rope(positions, q, k, self.rope.cos, self.rope.sin)
-        o = self.backend.attention(layer, q, k, v, cache, meta, self.scale)
+        with TRACER.op("rope", lambda: costs.rope(q, k), x.device):
+            q, k = self.backend.rope(positions, q, k, self.rope.cos, self.rope.sin)
+        with TRACER.op("kv_write", lambda: costs.kv_write(k, v), x.device):
+            self.backend.kv_store(cache, layer, k, v, meta.slot_mapping)
+        with TRACER.op("attention", lambda: costs.attention(q, k, meta), x.device):
+            o = self.backend.attention(layer, q, k, v, cache, meta, self.scale)
         return self.o_proj(o.flatten(1))
 
 
@@ -69,19 +77,24 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, plan: ShardPlan, backend: Backend):
         super().__init__()
         self.backend = backend
-        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [plan.ffn, plan.ffn])
-        self.down_proj = RowParallelLinear(plan.ffn, cfg.hidden_size)
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [plan.ffn, plan.ffn],
+                                                 trace_name="gate_up_proj")
+        self.down_proj = RowParallelLinear(plan.ffn, cfg.hidden_size, trace_name="down_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.backend.silu_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)
+        with TRACER.op("silu_mul", lambda: costs.silu_mul(gate_up), x.device):
+            act = self.backend.silu_mul(gate_up)
+        return self.down_proj(act)
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, plan: ShardPlan, rope: RotaryEmbedding, backend: Backend):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend, "input_norm")
         self.self_attn = Attention(cfg, plan, rope, backend)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend,
+                                                "post_attn_norm")
         self.mlp = MLP(cfg, plan, backend)
 
 
@@ -94,7 +107,7 @@ class CausalLM(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(plan.vocab_ranges[plan.rank], cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, plan, rope, backend)
                                     for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend, "final_norm")
         self.lm_head = ParallelLMHead(plan.vocab_ranges, plan.rank, cfg.hidden_size,
                                       self.embed_tokens if cfg.tie_word_embeddings else None)
 
@@ -104,10 +117,12 @@ class CausalLM(nn.Module):
         """Logits [len(logits_indices), vocab] on rank 0 (None on other ranks)."""
         h, residual = self.embed_tokens(token_ids), None
         for i, layer in enumerate(self.layers):
+            TRACER.layer = i
             x, residual = layer.input_layernorm(h, residual)
             h = layer.self_attn(i, x, positions, cache, meta)
             x, residual = layer.post_attention_layernorm(h, residual)
             h = layer.mlp(x)
+        TRACER.layer = -1
         # only the rows that sample a token go through the final norm and the LM head
         if not len(logits_indices):  # every rank sees the same batch, so all skip together
             return None

@@ -19,13 +19,20 @@ class StepTiming:
     """Where one step's wall time went, as seen by the driver."""
 
     wall_s: float = 0.0
+    schedule_s: float = 0.0  # the driver choosing tokens and building the batch
     forward_s: float = 0.0  # rank 0 inside the forward pass
-    collective_s: float = 0.0  # rank 0 inside all-reduce/gather
+    collective_s: float = 0.0  # rank 0 inside all-reduce/gather, part of forward_s
+    sample_s: float = 0.0  # rank 0 choosing the next tokens
 
     @property
     def overhead_s(self) -> float:
-        """Scheduling, batch transfer to the ranks and the result's return."""
-        return self.wall_s - self.forward_s
+        """Everything outside the ranks' compute: scheduling, the batch's trip to the ranks and
+        the result's trip back."""
+        return self.wall_s - self.forward_s - self.sample_s
+
+    @property
+    def transfer_s(self) -> float:
+        return self.overhead_s - self.schedule_s
 
 
 class Replica:
@@ -52,12 +59,13 @@ class Replica:
         if not scheduled:
             raise RuntimeError("scheduler found nothing to run while requests are pending")
         batch = self.scheduler.build_batch(scheduled)
-        return start, scheduled, self.executor.launch("execute", batch)
+        scheduled_at = time.perf_counter()
+        return start, scheduled_at - start, scheduled, self.executor.launch("execute", batch)
 
     def finish(self, launched) -> list[Sequence]:
-        start, scheduled, handle = launched
+        start, schedule_s, scheduled, handle = launched
         result = self.executor.collect("execute", handle)[0]
         finished = self.scheduler.postprocess(scheduled, result.token_ids, result.logits)
-        self.steps.append(StepTiming(time.perf_counter() - start, result.forward_s,
-                                     result.collective_s))
+        self.steps.append(StepTiming(time.perf_counter() - start, schedule_s, result.forward_s,
+                                     result.collective_s, result.sample_s))
         return finished

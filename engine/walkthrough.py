@@ -99,3 +99,121 @@ class WalkthroughReport:
                 events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": rank,
                                "args": {"name": f"rank {rank}"}})
         return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def _traced(llm, fn) -> tuple[list[dict], object]:
+    """Run fn() with every rank of the first replica tracing; all ranks' records, and fn's result."""
+    executor = llm.replicas[0].executor
+    executor.call("trace_start")
+    try:
+        result = fn()
+    finally:
+        per_rank = executor.call("trace_stop")
+    return [rec for records in per_rank for rec in records], result
+
+
+def _last_step(records: list[dict]) -> list[dict]:
+    """The records of the final forward pass: each pass starts with the embedding on every rank."""
+    starts = [i for i, r in enumerate(records) if r["name"] == "embedding"]
+    by_rank: dict[int, list[dict]] = {}
+    for rec in records:
+        by_rank.setdefault(rec["rank"], []).append(rec)
+    last = []
+    for recs in by_rank.values():
+        begin = max(i for i, r in enumerate(recs) if r["name"] == "embedding")
+        last += recs[begin:]
+    return last if starts else []
+
+
+def _model_section(llm) -> dict:
+    mc, cfg = llm.model_config, llm.config
+    ranks = [{k: info[k] for k in ("rank", "q_heads", "kv_heads", "ffn", "vocab", "weight_bytes")}
+             for info in llm.rank_info]
+    return {"name": cfg.model, "layers": mc.num_layers, "hidden": mc.hidden_size,
+            "heads": mc.num_heads, "kv_heads": mc.num_kv_heads, "head_dim": mc.head_dim,
+            "ffn": mc.intermediate_size, "vocab": mc.vocab_size, "params": mc.num_params,
+            "dtype": str(cfg.torch_dtype).replace("torch.", ""), "tp": cfg.tp, "ranks": ranks}
+
+
+def _kv_section(llm, out) -> dict:
+    mc, tokens = llm.model_config, len(out.prompt_token_ids)
+    ranks = []
+    for info in llm.rank_info:
+        heads = info["kv_heads"][1] - info["kv_heads"][0]
+        ranks.append({"rank": info["rank"], "kv_heads": info["kv_heads"],
+                      "bytes_per_token": info["kv_bytes_per_token"],
+                      "bytes_held": tokens * info["kv_bytes_per_token"],
+                      "cache_shape": f"[2, {mc.num_layers}, {info['num_blocks']}, "
+                                     f"{llm.config.block_size}, {heads}, {mc.head_dim}]"})
+    return {"tokens": tokens, "block_table": out.block_table, "block_size": llm.config.block_size,
+            "bytes_total": sum(r["bytes_held"] for r in ranks), "ranks": ranks}
+
+
+def _first_token(llm, out, top_k: int) -> dict:
+    probs = out.logits.softmax(-1)
+    top = torch.topk(probs, top_k)
+    piece = llm.tokenizer.piece if llm.tokenizer else str
+    return {"id": out.first_token, "text": piece(out.first_token),
+            "candidates": [{"id": int(i), "text": piece(int(i)), "prob": float(p)}
+                           for p, i in zip(top.values, top.indices)]}
+
+
+def _cache_savings(llm, ids: list[int], n: int) -> dict:
+    """Generate n tokens with the cache, and again recomputing the whole sequence each step."""
+    mc = llm.model_config
+    start = time.perf_counter()
+    [g] = llm.generate([ids], SamplingParams(max_tokens=n, ignore_eos=True))
+    with_cache = time.perf_counter() - start
+    seq, start = list(ids), time.perf_counter()
+    blocks = llm.replicas[0].block_manager
+    blocks.enable_prefix_caching, saved = False, blocks.enable_prefix_caching
+    try:
+        for token in g.token_ids:
+            llm.prefill([seq])
+            seq.append(token)
+    finally:
+        blocks.enable_prefix_caching = saved
+    recompute = time.perf_counter() - start
+    t = len(ids)
+    flops_cache = forward_flops(mc, t, t) + sum(forward_flops(mc, 1, t + i) for i in range(1, n))
+    flops_recompute = sum(forward_flops(mc, t + i, t + i) for i in range(n))
+    return {"tokens": n, "flops_with_cache": flops_cache, "flops_recompute": flops_recompute,
+            "time_with_cache_s": with_cache, "time_recompute_s": recompute}
+
+
+def _ttft_parts(tokenize_s: float, step, prefill: Section, ttft_s: float) -> dict:
+    ops = prefill.ops
+    rank0 = [op for op in ops if op["rank"] == 0]
+    collectives = sum(op["time_s"] for op in rank0 if op["name"] in ("all_reduce", "gather_logits"))
+    lm_head = sum(op["time_s"] for op in rank0 if op["name"] in ("final_norm", "lm_head"))
+    parts = {"tokenization": tokenize_s, "scheduling": step.schedule_s,
+             "driver -> ranks -> driver": step.transfer_s,
+             "forward (layers)": step.forward_s - collectives - lm_head,
+             "collectives": collectives, "final norm + LM head": lm_head, "sampling": step.sample_s}
+    return {"total_s": tokenize_s + ttft_s, "parts": parts}
+
+
+def run_walkthrough(llm, prompt, hw: Hardware, decode_tokens: int = 8, top_k: int = 5) -> WalkthroughReport:
+    """Prefill `prompt` once with tracing on, then one traced decode step, then the comparisons."""
+    start = time.perf_counter()
+    ids = llm.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    tokenize_s = time.perf_counter() - start
+    llm.prefill([ids[:1]])  # warm-up: first-call costs are not the prefill's
+    blocks = llm.replicas[0].block_manager
+    blocks.enable_prefix_caching, saved = False, blocks.enable_prefix_caching  # a full prefill
+    try:
+        records, [out] = _traced(llm, lambda: llm.prefill([ids]))
+    finally:
+        blocks.enable_prefix_caching = saved
+    step = llm.step_timings()[-1]
+    prefill = Section.from_records(records, len(ids), step.forward_s + step.sample_s, hw)
+    records, _ = _traced(llm, lambda: llm.generate([ids], SamplingParams(max_tokens=2, ignore_eos=True)))
+    decode_step = llm.step_timings()[-1]
+    decode = Section.from_records(_last_step(records), 1, decode_step.forward_s + decode_step.sample_s, hw)
+    pieces = [llm.tokenizer.piece(t) for t in ids] if llm.tokenizer else [str(t) for t in ids]
+    return WalkthroughReport(
+        prompt={"text": prompt if isinstance(prompt, str) else None, "token_ids": ids, "pieces": pieces},
+        model=_model_section(llm), hardware=hw, prefill=prefill, decode=decode,
+        kv_cache=_kv_section(llm, out), first_token=_first_token(llm, out, top_k),
+        cache_savings=_cache_savings(llm, ids, decode_tokens),
+        ttft=_ttft_parts(tokenize_s, step, prefill, out.ttft_s))

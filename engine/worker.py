@@ -15,9 +15,11 @@ from engine.config import EngineConfig
 from engine.errors import ModelLoadError
 from engine.kv_cache import KVCache
 from engine.model import CausalLM, ShardPlan
+from engine import costs
 from engine.sampler import sample
 from parallel import comm
 from parallel.partition import partition_heads
+from parallel.trace import TRACER
 
 
 class Worker:
@@ -70,12 +72,21 @@ class Worker:
                             torch.tensor(batch.logits_indices, device=dev, dtype=torch.long))
         if self.rank != 0:
             return None
-        tokens = []
+        forward_s, collective_s = time.perf_counter() - start, comm.collective_seconds()
+        tokens, start = [], time.perf_counter()
         if logits is not None:  # None: every sequence is mid-prompt, nothing to sample
             logits = logits.cpu()
-            tokens = sample(logits, batch.sampling)
-        forward_s, collective_s = time.perf_counter() - start, comm.collective_seconds()
-        return StepResult(tokens, logits if batch.return_logits else None, forward_s, collective_s)
+            with TRACER.op("sample", lambda: costs.sample(logits), logits.device):
+                tokens = sample(logits, batch.sampling)
+        return StepResult(tokens, logits if batch.return_logits else None, forward_s, collective_s,
+                          time.perf_counter() - start)
+
+    def trace_start(self) -> None:
+        TRACER.start(self.rank)
+
+    def trace_stop(self) -> list[dict]:
+        """Every op this rank ran since trace_start, with shapes, FLOPs, bytes and time."""
+        return [r.to_dict() for r in TRACER.stop()]
 
     def read_kv(self, layer: int, block_table: list[int], length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's K/V of one sequence ([length, local kv heads, d]), for inspection."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-APPS = {"generate": "launcher.generate"}
+APPS = {"generate": "launcher.generate", "walkthrough": "launcher.walkthrough"}
 
 
 def main() -> None:

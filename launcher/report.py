@@ -34,7 +34,7 @@ def _ops_table(title: str, section: Section, ridge: float) -> Table:
 
 def _kv_table(report: WalkthroughReport) -> Table:
     kv = report.kv_cache
-    t = Table(title=f"3. KV cache after prefill: {kv['tokens']} tokens in blocks {kv['block_table']}",
+    t = Table(title=f"4. KV cache after prefill: {kv['tokens']} tokens in blocks {kv['block_table']}",
               title_justify="left")
     for col in ("rank", "KV heads", "bytes/token", "bytes held", "cache tensor shape"):
         t.add_column(col)
@@ -58,7 +58,7 @@ def render(report: WalkthroughReport, console: Console) -> None:
                       f"FFN cols {r['ffn']}, vocab rows {r['vocab']}, {_si(r['weight_bytes'], 'B')} of weights")
     console.print(f"   roof: {hw['name']}: {_si(hw['peak_flops'], 'FLOP/s')}, "
                   f"{_si(hw['peak_bytes_per_s'], 'B/s')}, ridge at {hw['ridge_flops_per_byte']:.1f} FLOP/byte")
-    console.print(_ops_table(f"4. Prefill of {report.prefill.tokens} tokens: every op, summed over "
+    console.print(_ops_table(f"3. Prefill of {report.prefill.tokens} tokens: every op, summed over "
                              f"layers and ranks", report.prefill, report.hardware.ridge))
     console.print(_kv_table(report))
     cands = ", ".join(f"{c['text']!r} {c['prob']:.1%}" for c in d["first_token"]["candidates"])

@@ -13,6 +13,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from parallel.trace import TRACER, nbytes, shape
+
 
 def backend_for(device: str) -> str:
     return "nccl" if device.startswith("cuda") else "gloo"
@@ -72,9 +74,17 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum over ranks, in place. A no-op for a world of one."""
     if world_size() > 1:
         start = time.perf_counter()
-        dist.all_reduce(x)
+        with TRACER.op("all_reduce", lambda: _all_reduce_cost(x), x.device):
+            dist.all_reduce(x)
         _CollectiveClock.seconds += time.perf_counter() - start
     return x
+
+
+def _all_reduce_cost(x: torch.Tensor) -> tuple[str, int, int]:
+    """Ring all-reduce of n elements over w ranks: each rank does (w-1)·n/w additions and sends
+    and receives 2(w-1)/w of the tensor's bytes."""
+    w, n = world_size(), x.numel()
+    return shape(x), (w - 1) * n // w, 2 * (w - 1) * n * x.element_size() // w
 
 
 def gather_last_dim(x: torch.Tensor, sizes: list[int]) -> torch.Tensor | None:
@@ -89,11 +99,17 @@ def gather_last_dim(x: torch.Tensor, sizes: list[int]) -> torch.Tensor | None:
     padded = torch.nn.functional.pad(x, (0, width - x.shape[-1])).contiguous()
     parts = [torch.empty_like(padded) for _ in sizes] if rank() == 0 else None
     start = time.perf_counter()
-    dist.gather(padded, parts, dst=0)
+    with TRACER.op("gather_logits", lambda: _gather_cost(padded, len(sizes)), x.device):
+        dist.gather(padded, parts, dst=0)
     _CollectiveClock.seconds += time.perf_counter() - start
     if rank() != 0:
         return None
     return torch.cat([p[..., :n] for p, n in zip(parts, sizes)], dim=-1)
+
+
+def _gather_cost(part: torch.Tensor, parts: int) -> tuple[str, int, int]:
+    """Rank 0 receives every rank's slice; the others send one."""
+    return shape(part), 0, nbytes(part) * (parts if rank() == 0 else 1)
 
 
 def destroy() -> None:

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from parallel import comm
+from parallel.trace import TRACER, linear_cost, nbytes, shape
 from parallel.partition import HeadPartition, Range, scale
 
 # (name, dim, start, stop) -> that slice of the named checkpoint tensor; dim None reads it whole.
@@ -29,8 +30,10 @@ class ColumnParallelLinear(nn.Module):
     rank's row range of the i-th tensor, and the local weight is their concatenation.
     """
 
-    def __init__(self, in_features: int, out_slices: Sequence[Range], bias: bool = False):
+    def __init__(self, in_features: int, out_slices: Sequence[Range], bias: bool = False,
+                 trace_name: str = "column_linear"):
         super().__init__()
+        self.trace_name = trace_name
         self.out_slices = list(out_slices)
         out = sum(b - a for a, b in self.out_slices)
         self.weight = nn.Parameter(torch.empty(out, in_features), requires_grad=False)
@@ -44,7 +47,8 @@ class ColumnParallelLinear(nn.Module):
             copy_checked(self.bias, torch.cat(parts), f"{names[0]}.bias")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        with TRACER.op(self.trace_name, lambda: linear_cost(x, self.weight, self.bias), x.device):
+            return F.linear(x, self.weight, self.bias)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -52,7 +56,7 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     def __init__(self, hidden: int, head_dim: int, heads: HeadPartition, bias: bool):
         kv = scale(heads.kv_heads, head_dim)
-        super().__init__(hidden, [scale(heads.q_heads, head_dim), kv, kv], bias)
+        super().__init__(hidden, [scale(heads.q_heads, head_dim), kv, kv], bias, "qkv_proj")
         self.q_size = heads.num_q_heads * head_dim
         self.kv_size = heads.num_kv_heads * head_dim
 
@@ -63,8 +67,10 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(nn.Module):
     """y = x Wᵀ with W's input columns split over ranks, then a sum over ranks (all-reduce)."""
 
-    def __init__(self, in_slice: Range, out_features: int, bias: bool = False):
+    def __init__(self, in_slice: Range, out_features: int, bias: bool = False,
+                 trace_name: str = "row_linear"):
         super().__init__()
+        self.trace_name = trace_name
         self.in_slice = in_slice
         self.weight = nn.Parameter(torch.empty(out_features, in_slice[1] - in_slice[0]),
                                    requires_grad=False)
@@ -76,7 +82,9 @@ class RowParallelLinear(nn.Module):
             copy_checked(self.bias, read(f"{name}.bias", None, 0, 0), f"{name}.bias")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = comm.all_reduce(F.linear(x, self.weight))
+        with TRACER.op(self.trace_name, lambda: linear_cost(x, self.weight), x.device):
+            partial = F.linear(x, self.weight)
+        y = comm.all_reduce(partial)
         return y if self.bias is None else y + self.bias
 
 
@@ -94,12 +102,22 @@ class VocabParallelEmbedding(nn.Module):
         copy_checked(self.weight, read(f"{name}.weight", 0, *self.vocab_slice), f"{name}.weight")
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        with TRACER.op("embedding", lambda: self._cost(ids), ids.device):
+            rows = self._lookup(ids)
+        return comm.all_reduce(rows) if comm.world_size() > 1 else rows
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         start, stop = self.vocab_slice
         if comm.world_size() == 1:
             return F.embedding(ids, self.weight)
         inside = (ids >= start) & (ids < stop)
-        rows = F.embedding((ids - start) * inside, self.weight) * inside.unsqueeze(-1)
-        return comm.all_reduce(rows)
+        return F.embedding((ids - start) * inside, self.weight) * inside.unsqueeze(-1)
+
+    def _cost(self, ids: torch.Tensor) -> tuple[str, int, int]:
+        """A gather: no FLOPs; reads the ids and one row per token, writes [T, d]."""
+        row_bytes = self.weight.shape[1] * self.weight.element_size()
+        return (f"{shape(ids)} -> {shape((len(ids), self.weight.shape[1]))}", 0,
+                nbytes(ids) + 2 * len(ids) * row_bytes)
 
 
 class ParallelLMHead(nn.Module):
@@ -123,5 +141,6 @@ class ParallelLMHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden: [n, d] for the positions that need logits only. Returns [n, vocab] on rank 0."""
-        local = F.linear(hidden, self.weight)
+        with TRACER.op("lm_head", lambda: linear_cost(hidden, self.weight), hidden.device):
+            local = F.linear(hidden, self.weight)
         return comm.gather_last_dim(local, [b - a for a, b in self.vocab_ranges])

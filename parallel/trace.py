@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
+from typing import Callable
 
 import torch
 
@@ -45,11 +46,14 @@ class Tracer:
         return records
 
     @contextmanager
-    def op(self, name: str, shapes: str, flops: int, nbytes: int, device: torch.device | None = None):
+    def op(self, name: str, cost: Callable[[], tuple[str, int, int]], device: torch.device):
+        """Time the body as op `name`; `cost()` -> (shapes, FLOPs, bytes) runs only when tracing,
+        so an untraced forward pays for neither the strings nor the arithmetic."""
         if not self.enabled:
             yield
             return
-        cuda = device is not None and device.type == "cuda"
+        shapes, flops, nbytes = cost()
+        cuda = device.type == "cuda"
         if cuda:
             torch.cuda.synchronize(device)
         start = time.perf_counter()
@@ -68,5 +72,14 @@ def nbytes(*tensors: torch.Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def shape(t: torch.Tensor) -> str:
-    return "[" + ", ".join(str(d) for d in t.shape) + "]"
+def shape(t: torch.Tensor | tuple[int, ...]) -> str:
+    return "[" + ", ".join(str(d) for d in (t.shape if isinstance(t, torch.Tensor) else t)) + "]"
+
+
+def linear_cost(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """[T, k] x [k, n]: 2Tkn FLOPs; reads x and W (and b), writes [T, n]."""
+    rows, (n, k) = x.numel() // x.shape[-1], weight.shape
+    out_bytes = rows * n * x.element_size()
+    extra = nbytes(bias) if bias is not None else 0
+    return (f"{shape((rows, k))} x {shape((k, n))}", 2 * rows * k * n,
+            nbytes(x, weight) + extra + out_bytes)

@@ -19,7 +19,6 @@ import triton.language as tl
 from engine.attention import AttentionMetadata
 from engine.kernels.flash_attention import paged_attention_reference
 from engine.kernels.interpreter import needs_fp32_dot
-from engine.kernels.kv_store import triton_kv_store
 from engine.kernels.paging import block_table_tensor
 from engine.kv_cache import KVCache
 
@@ -136,12 +135,11 @@ def triton_decode_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: tor
                             kv_per_split: int | None = None,
                             block_n: int | None = None) -> torch.Tensor:
     """Same contract as triton_attention when every sequence has exactly one new token:
-    q [B, hq, d], k/v [B, hkv, d]. Stores k/v, returns [B, hq, d] in q's dtype.
+    q [B, hq, d], k/v [B, hkv, d] (already in the cache). Returns [B, hq, d] in q's dtype.
     kv_per_split (a multiple of block_n) overrides the split length."""
     num_seqs, num_q_heads, head_dim = q.shape
     assert meta.cu_seqlens_q == list(range(num_seqs + 1)), "decode takes one query per sequence"
     assert q.stride(-1) == 1, "head dim must be contiguous"
-    triton_kv_store(cache, layer, k, v, meta.slot_mapping)
     out = torch.empty((num_seqs, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
     if num_seqs == 0:
         return out
@@ -178,11 +176,3 @@ def triton_decode_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: tor
         head_dim, kv_per_split,
         BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d)
     return out
-
-
-def decode_attention_reference(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                               cache: KVCache, meta: AttentionMetadata,
-                               scale: float) -> torch.Tensor:
-    """The same function as triton_decode_attention, in plain torch."""
-    cache.store(layer, k, v, meta.slot_mapping)
-    return paged_attention_reference(layer, q, cache, meta, scale)

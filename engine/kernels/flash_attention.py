@@ -20,7 +20,6 @@ import triton.language as tl
 
 from engine.attention import AttentionMetadata
 from engine.kernels.interpreter import needs_fp32_dot
-from engine.kernels.kv_store import triton_kv_store
 from engine.kernels.paging import block_table_tensor
 from engine.kv_cache import KVCache
 
@@ -127,9 +126,9 @@ def _default_blocks(q: torch.Tensor, head_dim: int) -> tuple[int, int]:
 def triton_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      cache: KVCache, meta: AttentionMetadata, scale: float,
                      block_m: int | None = None, block_n: int | None = None) -> torch.Tensor:
-    """q: [T, hq, d], k/v: [T, hkv, d] for the new tokens. Stores k/v into the cache, then returns
-    the causal attention of the new tokens over their whole context, [T, hq, d] in q's dtype."""
-    triton_kv_store(cache, layer, k, v, meta.slot_mapping)
+    """q: [T, hq, d] for the new tokens, whose K/V (k/v: [T, hkv, d]) are already in the cache.
+    Returns the causal attention of the new tokens over their whole context, [T, hq, d] in q's
+    dtype."""
     num_tokens, num_q_heads, head_dim = q.shape
     out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
     default_m, default_n = _default_blocks(q, head_dim)
@@ -181,11 +180,3 @@ def paged_attention_reference(layer: int, q: torch.Tensor, cache: KVCache,
         scores.masked_fill_(pos[None, None, :] > q_pos[None, :, None], float("-inf"))
         out[s:e] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values).to(q.dtype)
     return out
-
-
-def flash_attention_reference(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                              cache: KVCache, meta: AttentionMetadata,
-                              scale: float) -> torch.Tensor:
-    """The same function as triton_attention, in plain torch."""
-    cache.store(layer, k, v, meta.slot_mapping)
-    return paged_attention_reference(layer, q, cache, meta, scale)

@@ -45,8 +45,4 @@ def triton_kv_store(cache: KVCache, layer: int, k: torch.Tensor, v: torch.Tensor
         BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_D=triton.next_power_of_2(head_dim))
 
 
-def kv_store_reference(cache: KVCache, layer: int, k: torch.Tensor, v: torch.Tensor,
-                       slot_mapping: torch.Tensor) -> None:
-    k_cache, v_cache = cache.layer(layer)
-    k_cache.flatten(0, 1)[slot_mapping] = k
-    v_cache.flatten(0, 1)[slot_mapping] = v
+kv_store_reference = KVCache.store  # the plain-torch function this kernel replaces

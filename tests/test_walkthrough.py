@@ -1,0 +1,154 @@
+"""The walkthrough's numbers against a count by hand from the model's config, and its files."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine import LLM
+from engine.hardware import Hardware
+from parallel.partition import even_ranges, partition_heads
+
+HW = Hardware("test-roof", peak_flops=1e11, peak_bytes=1e10)  # ridge at 10 FLOP/byte
+
+
+def hand_count(cfg: dict, tokens: int, tp: int = 1, elem: int = 4) -> tuple[int, int]:
+    """FLOPs and bytes of a prefill of `tokens` tokens with no cached prefix, summed over ranks,
+    written out from the conventions in engine/costs.py: 2 FLOPs per multiply-add; element-wise
+    FLOPs per output element: RMSNorm 4 (+1 with the residual add), RoPE 3, SiLU·mul 4."""
+    T, d, L, hd = tokens, cfg["hidden"], cfg["layers"], cfg["head_dim"]
+    V, ffn = cfg["vocab"], cfg["ffn"]
+    flops = nbytes = 0
+    heads = partition_heads(cfg["heads"], cfg["kv_heads"], tp)
+    for r in range(tp):
+        q, kv = heads[r].num_q_heads, heads[r].num_kv_heads
+        f = even_ranges(ffn, tp)[r][1] - even_ranges(ffn, tp)[r][0]
+        v = even_ranges(V, tp)[r][1] - even_ranges(V, tp)[r][0]
+        qkv = (q + 2 * kv) * hd
+        nbytes += 8 * T + 2 * T * d * elem  # embedding: ids, rows read, rows written
+        for layer in range(L):
+            norm_flops, norm_bytes = (4, 2) if layer == 0 else (5, 4)  # layer 0 has no residual yet
+            flops += norm_flops * T * d + 5 * T * d  # input norm, post-attention norm
+            nbytes += (norm_bytes * T * d + d) * elem + (4 * T * d + d) * elem
+            flops += 2 * T * d * qkv  # qkv
+            nbytes += (T * d + d * qkv + T * qkv) * elem + (qkv * elem if cfg["bias"] else 0)
+            flops += 3 * T * (q + kv) * hd  # rope
+            nbytes += 2 * T * (q + kv) * hd * elem + 2 * T * (hd // 2) * 4
+            nbytes += 2 * 2 * T * kv * hd * elem  # kv write
+            flops += 4 * q * hd * T * (T + 1) // 2  # causal attention
+            nbytes += 2 * T * q * hd * elem + 2 * T * kv * hd * elem
+            flops += 2 * T * q * hd * d  # o_proj
+            nbytes += (T * q * hd + q * hd * d + T * d) * elem
+            flops += 2 * T * d * 2 * f + 4 * T * f + 2 * T * f * d  # gate/up, silu·mul, down
+            nbytes += (T * d + 2 * f * d + 2 * T * f) * elem + 3 * T * f * elem
+            nbytes += (T * f + f * d + T * d) * elem
+        flops += 5 * d + 2 * d * v  # final norm (one row, with residual), LM head on it
+        nbytes += (4 * d + d) * elem + (d + d * v + v) * elem
+    flops += V  # sampling, on rank 0 only
+    nbytes += 4 * V
+    return flops, nbytes
+
+
+def _cfg(llm: LLM) -> dict:
+    mc = llm.model_config
+    return {"hidden": mc.hidden_size, "layers": mc.num_layers, "head_dim": mc.head_dim,
+            "heads": mc.num_heads, "kv_heads": mc.num_kv_heads, "ffn": mc.intermediate_size,
+            "vocab": mc.vocab_size, "bias": mc.qkv_bias}
+
+
+def test_smollm2_counts_match_hand_count(smollm2_llm):
+    from engine.walkthrough import run_walkthrough
+
+    prompt = "The KV cache holds the keys and values of every prompt position."
+    report = run_walkthrough(smollm2_llm, prompt, HW, decode_tokens=2)
+    tokens = len(smollm2_llm.tokenizer.encode(prompt))
+    assert report.prefill.tokens == tokens
+    assert (report.prefill.total_flops, report.prefill.total_bytes) == hand_count(_cfg(smollm2_llm), tokens)
+    # every op's bound follows from its intensity against the ridge (10 FLOP/byte here)
+    for op in report.to_dict()["prefill"]["ops"]:
+        assert op["bound"] == ("compute" if op["bytes"] and op["flops"] / op["bytes"] >= 10 else "memory")
+    first = report.first_token
+    assert first["candidates"][0]["id"] == first["id"]
+    assert 0 < first["candidates"][0]["prob"] <= 1
+
+
+@pytest.mark.parametrize("name", ["qwen2", "llama"])
+def test_tiny_model_counts_match_hand_count(tiny_model_dir, name):
+    from engine.walkthrough import run_walkthrough
+
+    with LLM(str(tiny_model_dir(name))) as llm:
+        ids = list(range(3, 3 + 40))
+        report = run_walkthrough(llm, ids, HW, decode_tokens=4)
+        flops, nbytes = hand_count(_cfg(llm), len(ids))
+        assert report.prefill.total_flops == flops
+        assert report.prefill.total_bytes == nbytes
+        d = report.to_dict()
+        layers = llm.model_config.num_layers
+        assert sum(1 for op in d["prefill"]["ops"] if op["name"] == "attention") == layers
+        assert {op["layer"] for op in d["prefill"]["ops"] if op["name"] == "qkv_proj"} == set(range(layers))
+        # decode: one token reads every weight once, so its intensity collapses
+        assert d["decode"]["intensity"] < d["prefill"]["intensity"] / 5
+
+
+def test_cache_versus_recompute_counts_n_times_more_compute(tiny_model_dir):
+    from engine.costs import forward_flops
+    from engine.walkthrough import run_walkthrough
+
+    with LLM(str(tiny_model_dir("qwen2"))) as llm:
+        ids, n = list(range(3, 3 + 60)), 6
+        s = run_walkthrough(llm, ids, HW, decode_tokens=n).cache_savings
+        mc = llm.model_config
+        # without the cache, step i recomputes the whole T + i tokens
+        assert s["flops_recompute"] == sum(forward_flops(mc, 60 + i, 60 + i) for i in range(n))
+        assert s["flops_recompute"] > 0.9 * n * s["flops_with_cache"]
+        assert s["time_recompute_s"] > 0 and s["time_with_cache_s"] > 0
+
+
+def test_tp2_shapes_follow_the_head_partition(ray_cluster, tiny_model_dir):
+    from engine.walkthrough import run_walkthrough
+
+    with LLM(str(tiny_model_dir("uneven")), tp=2) as llm:
+        ids = list(range(3, 3 + 20))
+        report = run_walkthrough(llm, ids, HW, decode_tokens=2)
+        cfg = _cfg(llm)
+        assert report.prefill.total_flops == hand_count(cfg, 20, tp=2)[0] + _all_reduce_flops(cfg, 20)
+        parts = partition_heads(cfg["heads"], cfg["kv_heads"], 2)
+        for op in report.to_dict()["prefill"]["ops"]:
+            if op["name"] == "qkv_proj":
+                width = (parts[op["rank"]].num_q_heads + 2 * parts[op["rank"]].num_kv_heads) * cfg["head_dim"]
+                assert op["shapes"] == f"[20, {cfg['hidden']}] x [{cfg['hidden']}, {width}]"
+        assert {op["rank"] for op in report.prefill.ops} == {0, 1}
+        kv = report.kv_cache
+        assert [r["kv_heads"] for r in kv["ranks"]] == [p.kv_heads for p in parts]
+
+
+def _all_reduce_flops(cfg: dict, tokens: int) -> int:
+    """Two all-reduces of [T, d] per layer plus the embedding's; each rank adds half the
+    elements at TP=2, so both ranks together add T·d per all-reduce."""
+    return (2 * cfg["layers"] + 1) * tokens * cfg["hidden"]
+
+
+def test_app_writes_json_trace_and_roofline(tmp_path, tiny_model_dir):
+    from hydra import compose, initialize_config_dir
+    from rich.console import Console
+
+    from launcher.common import CONF_DIR
+    from launcher.walkthrough import run
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        cfg = compose("walkthrough", overrides=[f"model.path={tiny_model_dir('qwen2')}",
+                                                 "prompt=[5,6,7,8,9,10,11,12]", "decode_tokens=2",
+                                                 f"out_dir={tmp_path}"])
+    console = Console(record=True, width=150)
+    files = run(cfg, console)
+    text = console.export_text()
+    for heading in ("1. The prompt", "3. Prefill of 8 tokens", "4. KV cache", "6. One decode step",
+                    "7. What the cache saved", "8. TTFT"):
+        assert heading in text
+    data = json.loads(files["json"].read_text())
+    assert {"prefill", "decode"} <= data.keys()
+    assert data["prefill"]["total_flops"] == sum(op["flops"] for op in data["prefill"]["ops"])
+    trace = json.loads(files["trace"].read_text())["traceEvents"]
+    spans = [e for e in trace if e["ph"] == "X"]
+    assert spans and all(e["dur"] >= 0 and "ts" in e for e in spans)
+    assert files["roofline"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
