@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
+import os
 import subprocess
 import sys
+import threading
+import time
 
 from bench.common import best_of, machine, random_ids
 from engine import LLM, SamplingParams
@@ -47,17 +49,33 @@ def short_behind_long(model: str, dtype: str, vocab: int) -> str:
             f"chunks vs {ttft[4096] * 1e3:.0f} ms unchunked = {ttft[512] / ttft[4096]:.2f}x")
 
 
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 def _peak_rss_child(model: str, dtype: str, budget: int, length: int) -> None:
+    """Resident memory sampled every millisecond during one long prefill, above where it started
+    (the process-wide high-water mark would be set by model loading, not by the prefill)."""
     with LLM(model, dtype=dtype, enable_prefix_caching=False, max_num_batched_tokens=budget) as llm:
         llm.prefill([random_ids(16, 49152, seed=1)])
-        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        before, peak, done = _rss_bytes(), [0], threading.Event()
+
+        def sample() -> None:
+            while not done.is_set():
+                peak[0] = max(peak[0], _rss_bytes())
+                time.sleep(0.001)
+
+        sampler = threading.Thread(target=sample)
+        sampler.start()
         llm.prefill([random_ids(length, llm.model_config.vocab_size, seed=6)])
-        after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    print(json.dumps({"peak_growth_mb": (after - before) / 1024}))
+        done.set()
+        sampler.join()
+    print(json.dumps({"peak_growth_mb": (peak[0] - before) / 2**20}))
 
 
 def peak_memory(model: str, dtype: str, length: int = 4096) -> str:
-    """Growth of the process's peak RSS during one long prefill, each in a fresh process."""
+    """Growth of resident memory during one long prefill, each configuration in a fresh process."""
     growth = {}
     for budget in (length, 512):
         out = subprocess.run([sys.executable, "-m", "bench.cache_bench", "--peak-child",

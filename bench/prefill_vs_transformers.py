@@ -11,6 +11,7 @@ import torch
 from engine import LLM
 from engine.checkpoint import resolve_model
 from engine.costs import forward_flops
+from launcher.baseline import hf_model, hf_prefill
 from bench.common import best_of, machine, random_ids
 
 
@@ -21,10 +22,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
-    from tests.reference import hf_model
-
     dtype = getattr(torch, args.dtype)
-    hf = hf_model(str(resolve_model(args.model))).to(dtype)
+    hf = hf_model(str(resolve_model(args.model)), dtype)
     llm = LLM(args.model, dtype=args.dtype, enable_prefix_caching=False,
               max_num_batched_tokens=max(args.lengths))
     print(f"{machine()}; dtype={args.dtype} model={args.model}; best of {args.repeats}")
@@ -34,10 +33,8 @@ def main() -> None:
         flops = forward_flops(llm.model_config, n, n)
         llm.prefill([ids])  # warm-up
         ours = best_of(lambda: llm.prefill([ids]), args.repeats)
-        with torch.inference_mode():
-            x = torch.tensor([ids])
-            hf(x, logits_to_keep=1)
-            theirs = best_of(lambda: hf(x, logits_to_keep=1), args.repeats)
+        hf_prefill(hf, ids)  # warm-up
+        theirs = best_of(lambda: hf_prefill(hf, ids), args.repeats)
         print(f"{n:>6} {n / ours:>12.0f} {flops / ours / 1e9:>8.1f} {n / theirs:>9.0f} "
               f"{flops / theirs / 1e9:>8.1f} {theirs / ours:>6.2f}")
     llm.shutdown()

@@ -1,9 +1,10 @@
 """A tensor-parallel LLM prefill engine."""
 from engine.errors import (ConfigError, EngineError, InvalidRequestError, ModelLoadError,
-                           UnsupportedModelError)
+                           NumericalError, RankFailure, UnsupportedModelError)
 from engine.llm import LLM
 from engine.outputs import GenerateOutput, PrefillOutput
 from engine.sampling_params import SamplingParams
 
 __all__ = ["LLM", "SamplingParams", "PrefillOutput", "GenerateOutput", "EngineError",
-           "InvalidRequestError", "ConfigError", "ModelLoadError", "UnsupportedModelError"]
+           "InvalidRequestError", "ConfigError", "ModelLoadError", "UnsupportedModelError",
+           "RankFailure", "NumericalError"]

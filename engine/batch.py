@@ -55,3 +55,4 @@ class StepResult:
     forward_s: float = 0.0  # rank 0's time in the forward pass
     collective_s: float = 0.0  # of which inside all-reduce / gather
     sample_s: float = 0.0  # rank 0's time choosing the tokens
+    nonfinite_rows: list[int] = field(default_factory=list)  # logits rows holding NaN or Inf

@@ -19,7 +19,9 @@ class EngineConfig:
     dp: int = 1
     executor: str = "auto"  # auto: in-process for one rank, Ray actors for more; or "ray"
     init_timeout_s: float = 120.0
-    step_timeout_s: float = 30.0
+    step_timeout_s: float = 30.0  # a dead or hung rank fails the step within this
+    collective_timeout_s: float = 60.0  # torch.distributed's own bound on one collective
+    retry_on_rank_failure: bool = False  # restart the groups once and rerun the requests
     ray_address: str | None = None  # None: $RAY_ADDRESS, else a local cluster
     socket_ifname: str | None = None  # network interface for gloo/NCCL between nodes
     # engine.*

@@ -19,3 +19,12 @@ class ModelLoadError(EngineError):
 
 class UnsupportedModelError(ModelLoadError):
     """A checkpoint of an architecture the engine does not implement."""
+
+
+class RankFailure(EngineError):
+    """A rank died, hung or failed; the message names it and its node. The group is torn down:
+    `LLM.restart()` (or a new LLM) serves again."""
+
+
+class NumericalError(EngineError):
+    """The model produced NaN or Inf logits for a request; that request fails, others go on."""

@@ -4,12 +4,8 @@ from __future__ import annotations
 
 from engine.checkpoint import Checkpoint
 from engine.config import EngineConfig
-from engine.errors import ConfigError, EngineError
+from engine.errors import ConfigError, RankFailure
 from engine.worker import Worker
-
-
-class RankFailure(EngineError):
-    """A rank died, hung or failed to start; the message names it and its node."""
 
 
 class Executor:
@@ -64,6 +60,7 @@ class RayExecutor(Executor):
         self._errors = RankGroupError
         options = GroupOptions(world_size=cfg.tp, device=cfg.device,
                                init_timeout_s=cfg.init_timeout_s, step_timeout_s=cfg.step_timeout_s,
+                               collective_timeout_s=cfg.collective_timeout_s,
                                env=_socket_env(cfg.socket_ifname), node_id=node_id)
         try:
             self.group = RankGroup(Worker, options, cfg)

@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 import logging
-import time
+import threading
 from typing import Sequence as Seq
 
 from engine.backend import select_backend
 from engine.checkpoint import open_checkpoint
 from engine.config import EngineConfig
-from engine.errors import ConfigError, InvalidRequestError
+from engine.errors import ConfigError, InvalidRequestError, NumericalError, RankFailure
 from engine.executor import make_executors
 from engine.outputs import GenerateOutput, PrefillOutput
 from engine.sampling_params import SamplingParams
@@ -38,12 +38,28 @@ class LLM:
         if self.max_model_len > mc.max_position_embeddings:
             raise ConfigError(f"max_model_len={cfg.max_model_len} exceeds the model's context of "
                               f"{mc.max_position_embeddings} tokens; use at most that")
+        self._checkpoint = ckpt
+        # one step at a time; threads that submit together are batched into the same steps
+        self._lock = threading.RLock()
+        self._failure: str | None = None
+        self.replicas: list[Replica] = []
+        self._start()
+
+    def _start(self) -> None:
+        cfg, mc = self.config, self.model_config
         self.replicas = [Replica(cfg, ex, self.max_model_len, mc.eos_token_ids)
-                         for ex in make_executors(cfg, ckpt)]
+                         for ex in make_executors(cfg, self._checkpoint)]
         self.rank_info = self.replicas[0].rank_info
+        self._failure = None
         bm = self.replicas[0].block_manager
         log.info("KV cache: %d blocks of %d tokens (%d tokens) per rank, %d replica(s) of tp=%d",
                  bm.num_blocks, cfg.block_size, bm.num_blocks * cfg.block_size, cfg.dp, cfg.tp)
+
+    def restart(self) -> None:
+        """Tear every rank down and start the groups afresh, e.g. after a RankFailure."""
+        with self._lock:
+            self.shutdown()
+            self._start()
 
     # ---- public API -------------------------------------------------------------------------
 
@@ -99,9 +115,10 @@ class LLM:
         return [list(zip(r.executor.node_ips(), r.executor.node_ids())) for r in self.replicas]
 
     def shutdown(self) -> None:
-        for r in self.replicas:
-            r.executor.shutdown()
-        self.replicas = []
+        with self._lock:
+            for r in self.replicas:
+                r.executor.shutdown()
+            self.replicas = []
 
     def __enter__(self) -> "LLM":
         return self
@@ -116,12 +133,18 @@ class LLM:
 
     def _submit(self, prompts, params: SamplingParams, keep_first_logits: bool = False) -> list[Sequence]:
         if not self.replicas:
-            raise InvalidRequestError("this LLM was shut down; create a new one")
+            raise InvalidRequestError("this LLM was shut down; call restart() or create a new one")
         token_lists = [self._tokens(p) for p in _as_prompt_list(prompts)]
         seqs = [Sequence(t, params, keep_first_logits=keep_first_logits) for t in token_lists]
+        with self._lock:
+            if self._failure is not None:
+                raise RankFailure(f"{self._failure}; call restart() or create a new LLM")
+            self._add(seqs)
+        return seqs
+
+    def _add(self, seqs: list[Sequence]) -> None:
         for s in seqs:
             min(self.replicas, key=lambda r: r.load).scheduler.add(s)
-        return seqs
 
     def _tokens(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -151,13 +174,47 @@ class LLM:
         return ids
 
     def _run(self, seqs: list[Sequence]) -> None:
+        """Step the engine until every one of `seqs` is done. A rank failure fails them all, or,
+        with retry_on_rank_failure, restarts the groups once and runs them again from scratch."""
         try:
-            while any(s.finish_reason is None for s in seqs):
-                self._step()
-        except BaseException:
-            for r in self.replicas:
-                r.scheduler.abort([s for s in seqs if s.finish_reason is None])
-            raise
+            self._drive(seqs)
+        except RankFailure:
+            if not self.config.retry_on_rank_failure:
+                raise
+            with self._lock:
+                if self._failure is not None:  # the first thread here restarts for everyone
+                    log.warning("restarting the rank groups after: %s", self._failure)
+                    self.restart()
+                for seq in seqs:
+                    seq.reset()
+                self._add(seqs)
+            self._drive(seqs)
+        bad = [s for s in seqs if s.finish_reason == "nonfinite"]
+        if bad:
+            raise NumericalError(
+                f"{len(bad)} request(s) gave NaN/Inf logits (prompt lengths "
+                f"{[s.num_prompt_tokens for s in bad]}): the weights or dtype overflow; try "
+                f"dtype='float32'. Other requests are unaffected")
+
+    def _drive(self, seqs: list[Sequence]) -> None:
+        while True:
+            with self._lock:
+                if self._failure is not None and any(s.finish_reason == "rank failure" for s in seqs):
+                    raise RankFailure(self._failure)
+                if all(s.finish_reason is not None for s in seqs):
+                    return
+                try:
+                    self._step()
+                except RankFailure as e:
+                    self._failure = str(e)
+                    for r in self.replicas:  # every request in flight shares the broken group
+                        r.scheduler.abort(list(r.scheduler.waiting) + r.scheduler.running,
+                                          "rank failure")
+                    raise
+                except BaseException:
+                    for r in self.replicas:
+                        r.scheduler.abort([s for s in seqs if s.finish_reason is None])
+                    raise
 
     def _step(self) -> None:
         """One step on every replica with work; the replicas run concurrently."""

@@ -65,7 +65,8 @@ class Replica:
     def finish(self, launched) -> list[Sequence]:
         start, schedule_s, scheduled, handle = launched
         result = self.executor.collect("execute", handle)[0]
-        finished = self.scheduler.postprocess(scheduled, result.token_ids, result.logits)
+        finished = self.scheduler.postprocess(scheduled, result.token_ids, result.logits,
+                                              set(result.nonfinite_rows))
         self.steps.append(StepTiming(time.perf_counter() - start, schedule_s, result.forward_s,
                                      result.collective_s, result.sample_s))
         return finished

@@ -35,25 +35,35 @@ class Scheduler:
 
     def schedule(self) -> list[tuple[Sequence, int]]:
         budget, scheduled = self.max_num_batched_tokens, []
-        for seq in sorted(self.running, key=lambda s: s.num_pending_tokens > 1):
+        for seq in [s for s in self.running if s.num_pending_tokens == 1]:  # decodes
             if budget == 0:
                 break
             if seq.status is not Status.RUNNING or not self._make_room(seq):
                 continue
-            n = min(seq.num_pending_tokens, budget)
-            scheduled.append((seq, n))
-            budget -= n
-        while self.waiting and budget and len(self.running) < self.max_num_seqs:
+            scheduled.append((seq, 1))
+            budget -= 1
+        self._admit()
+        # the budget goes to prompts shortest remaining first, so a short prompt is not stuck
+        # behind every chunk of a long one that came earlier (which takes whatever is left);
+        # the batch keeps arrival order
+        # (a newly admitted prompt whose prefix was cached may have a single token left)
+        decoding = {s.seq_id for s, _ in scheduled}
+        prompts = [s for s in self.running if s.seq_id not in decoding and s.num_pending_tokens > 0]
+        grant: dict[int, int] = {}
+        for seq in sorted(prompts, key=lambda s: s.num_pending_tokens):
+            grant[seq.seq_id] = min(seq.num_pending_tokens, budget)
+            budget -= grant[seq.seq_id]
+        return scheduled + [(s, grant[s.seq_id]) for s in prompts if grant[s.seq_id]]
+
+    def _admit(self) -> None:
+        """Waiting sequences become running, oldest first, while their blocks fit."""
+        while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if not self.blocks.allocate(seq):
                 break
             self.waiting.popleft()
             seq.status = Status.RUNNING
             self.running.append(seq)
-            n = min(seq.num_pending_tokens, budget)
-            scheduled.append((seq, n))
-            budget -= n
-        return scheduled
 
     def _make_room(self, seq: Sequence) -> bool:
         """Find a block for a decode that needs one, preempting the newest sequences if the pool
@@ -92,14 +102,19 @@ class Scheduler:
         return batch
 
     def postprocess(self, scheduled: list[tuple[Sequence, int]], token_ids: list[int],
-                    logits=None) -> list[Sequence]:
+                    logits=None, nonfinite_rows: set[int] = frozenset()) -> list[Sequence]:
         """Advance every scheduled sequence; returns those that finished."""
         now, finished, row = time.perf_counter(), [], 0
         for seq, n in scheduled:
             seq.num_computed_tokens += n
-            self.blocks.register_computed(seq)
             if seq.num_computed_tokens < seq.num_tokens:
+                self.blocks.register_computed(seq)
                 continue  # a chunk of a prompt: nothing sampled yet
+            if row in nonfinite_rows:  # fail this request alone; its K/V are never cached
+                row += 1
+                self._finish(seq, "nonfinite", finished)
+                continue
+            self.blocks.register_computed(seq)
             if not seq.output_token_ids:
                 seq.first_token_time = now
                 if seq.keep_first_logits and logits is not None:
@@ -108,12 +123,15 @@ class Scheduler:
             row += 1
             reason = self._finish_reason(seq)
             if reason:
-                seq.finish_reason, seq.status = reason, Status.FINISHED
-                seq.kv_block_table = list(seq.block_table)
-                self.blocks.free(seq)
-                self.running.remove(seq)
-                finished.append(seq)
+                self._finish(seq, reason, finished)
         return finished
+
+    def _finish(self, seq: Sequence, reason: str, finished: list[Sequence]) -> None:
+        seq.finish_reason, seq.status = reason, Status.FINISHED
+        seq.kv_block_table = list(seq.block_table)
+        self.blocks.free(seq)
+        self.running.remove(seq)
+        finished.append(seq)
 
     def _finish_reason(self, seq: Sequence) -> str | None:
         if not seq.params.ignore_eos and seq.token_ids[-1] in self.eos_token_ids:
@@ -122,7 +140,7 @@ class Scheduler:
             return "length"
         return None
 
-    def abort(self, seqs: list[Sequence]) -> None:
+    def abort(self, seqs: list[Sequence], reason: str = "aborted") -> None:
         """Forget sequences whose step failed; their blocks go back, never half-registered."""
         for seq in seqs:
             if seq in self.running:
@@ -133,4 +151,4 @@ class Scheduler:
             else:
                 continue  # another replica's
             seq.status = Status.FINISHED
-            seq.finish_reason = "aborted"
+            seq.finish_reason = reason

@@ -39,6 +39,13 @@ class Sequence:
     def __post_init__(self):
         self.token_ids = list(self.prompt_token_ids)
 
+    def reset(self) -> None:
+        """Back to a fresh request, to be run again from its prompt."""
+        self.token_ids = list(self.prompt_token_ids)
+        self.num_computed_tokens = self.num_cached_tokens = self.num_hashed_blocks = 0
+        self.block_table, self.parent_hash = [], None
+        self.status, self.finish_reason, self.first_token_time = Status.WAITING, None, None
+
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)

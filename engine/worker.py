@@ -3,6 +3,7 @@
 The same class runs in the driver's process (one rank) or inside a Ray actor (one per rank)."""
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -34,10 +35,7 @@ class Worker:
         self.plan = ShardPlan.for_rank(mc, rank, world_size)
         self.backend = select_backend(cfg.attention_backend, cfg.device)
         self.model = CausalLM(mc, self.plan, self.max_model_len, self.backend)
-        try:
-            self.model.load(ckpt.read)
-        except ValueError as e:
-            raise ModelLoadError(f"{ckpt.source}: {e}") from None
+        self._load(ckpt)
         for p in self.model.parameters():  # buffers (rotary tables) stay float32
             p.data = p.data.to(self.device, self.dtype)
         self.model.to(self.device)
@@ -51,6 +49,27 @@ class Worker:
         self.cache = KVCache(mc.num_layers, num_blocks, cfg.block_size, heads, mc.head_dim,
                              self.dtype, self.device)
         self.kv_head_of_q = torch.tensor(self.plan.heads.kv_head_of_q_head(), device=self.device)
+
+    def _load(self, ckpt: Checkpoint) -> None:
+        """Every tensor the model needs, each exactly as expected, and no tensor left over."""
+        used: set[str] = set()
+
+        def read(name, dim, start, stop):
+            used.add(name)
+            tensor = ckpt.read(name, dim, start, stop)
+            if not torch.isfinite(tensor).all():
+                raise ModelLoadError(f"{ckpt.source}: tensor {name} holds NaN or Inf values; "
+                                     f"the checkpoint is corrupt")
+            return tensor
+
+        try:
+            self.model.load(read)
+        except ValueError as e:
+            raise ModelLoadError(f"{ckpt.source}: {e}") from None
+        extra = sorted(ckpt.names() - used)
+        if extra:
+            raise ModelLoadError(f"{ckpt.source}: {len(extra)} tensor(s) this architecture does not "
+                                 f"use, e.g. {extra[:3]}; is config.json for another model?")
 
     def info(self) -> dict:
         h = self.plan.heads
@@ -73,13 +92,24 @@ class Worker:
         if self.rank != 0:
             return None
         forward_s, collective_s = time.perf_counter() - start, comm.collective_seconds()
-        tokens, start = [], time.perf_counter()
+        tokens, nonfinite, start = [], [], time.perf_counter()
         if logits is not None:  # None: every sequence is mid-prompt, nothing to sample
             logits = logits.cpu()
+            # a row of NaN/Inf would "sample" garbage: flag it, and sample from a safe stand-in
+            nonfinite = (~torch.isfinite(logits).all(-1)).nonzero().flatten().tolist()
+            safe = logits.nan_to_num(0.0, 0.0, 0.0) if nonfinite else logits
             with TRACER.op("sample", lambda: costs.sample(logits), logits.device):
-                tokens = sample(logits, batch.sampling)
+                tokens = sample(safe, batch.sampling)
         return StepResult(tokens, logits if batch.return_logits else None, forward_s, collective_s,
-                          time.perf_counter() - start)
+                          time.perf_counter() - start, nonfinite)
+
+    def memory(self) -> dict:
+        """This rank's resident memory (CPU) or peak allocated memory (CUDA), in bytes."""
+        if self.device.type == "cuda":
+            return {"rank": self.rank, "resident_bytes": torch.cuda.max_memory_allocated(self.device)}
+        with open("/proc/self/statm") as f:
+            pages = int(f.read().split()[1])
+        return {"rank": self.rank, "resident_bytes": pages * os.sysconf("SC_PAGE_SIZE")}
 
     def trace_start(self) -> None:
         TRACER.start(self.rank)

@@ -4,7 +4,8 @@ from __future__ import annotations
 import importlib
 import sys
 
-APPS = {"generate": "launcher.generate", "walkthrough": "launcher.walkthrough"}
+APPS = {"generate": "launcher.generate", "walkthrough": "launcher.walkthrough",
+        "bench": "launcher.bench"}
 
 
 def main() -> None:

@@ -32,6 +32,8 @@ from parallel import comm
 
 # Closing is a courtesy before the kill: a rank that does not answer this fast is killed anyway.
 _CLOSE_TIMEOUT_S = 5.0
+# After one rank raised, how long the others get to answer before they count as stuck.
+_RAISE_GRACE_S = 2.0
 
 
 @dataclass(slots=True)
@@ -40,6 +42,7 @@ class GroupOptions:
     device: str = "cpu"            # "cpu" or "cuda"
     init_timeout_s: float = 60.0   # bound on each construction phase (placement, join, build)
     step_timeout_s: float = 30.0   # bound on any call() waiting for results
+    collective_timeout_s: float = 60.0  # torch.distributed's own bound on one collective
     # Set in each actor before the group forms, e.g. GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME.
     env: dict[str, str] = field(default_factory=dict)
     placement_strategy: str = "STRICT_PACK"   # one TP group packed on one node
@@ -119,7 +122,9 @@ class _Outcome:
 
 
 def _gather(refs: list[ray.ObjectRef], timeout_s: float) -> _Outcome:
-    """Wait for one result per rank, up to `timeout_s`; stop early once an actor is lost."""
+    """Wait for one result per rank, up to `timeout_s`; stop early once an actor is lost, and
+    soon after a rank raised: ranks that share its error raise within moments, and the rest
+    are likely stuck in a collective the failed rank will never join."""
     deadline = time.monotonic() + timeout_s
     rank_of = {ref: r for r, ref in enumerate(refs)}
     out = _Outcome(results=[None] * len(refs))
@@ -135,6 +140,7 @@ def _gather(refs: list[ray.ObjectRef], timeout_s: float) -> _Outcome:
                 out.results[rank] = ray.get(ref)
             except RayTaskError as err:
                 out.raised[rank] = err
+                deadline = min(deadline, time.monotonic() + _RAISE_GRACE_S)
             except RayError as err:
                 out.lost[rank] = err
     out.pending = sorted(rank_of[ref] for ref in waiting)
@@ -257,7 +263,7 @@ class RankGroup:
         addr = "127.0.0.1" if local else self._ips[0]
         port = self._rank0_port(addr)
         refs = [actor.join.remote(addr, port, rank, opts.world_size,
-                                  comm.backend_for(opts.device), opts.init_timeout_s)
+                                  comm.backend_for(opts.device), opts.collective_timeout_s)
                 for rank, actor in enumerate(self._actors)]
         self._check(_gather(refs, opts.init_timeout_s),
                     f"failed to join the process group at {addr}:{port}",

@@ -3,20 +3,7 @@ from __future__ import annotations
 
 import torch
 
-
-def hf_model(source: str):
-    """transformers' own model for a safetensors directory or a GGUF file (fp32, eval)."""
-    from pathlib import Path
-
-    from transformers import AutoModelForCausalLM
-
-    path = Path(source)
-    if path.suffix == ".gguf":
-        m = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                 dtype=torch.float32)
-    else:
-        m = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
-    return m.eval()
+from launcher.baseline import hf_model  # noqa: F401  (re-exported for the tests)
 
 
 @torch.inference_mode()
