@@ -22,17 +22,18 @@ def prefix_hit(llm: LLM, vocab: int) -> str:
     shared = random_ids(1792, vocab, seed=1)
     llm.prefill([shared + random_ids(256, vocab, seed=2)])  # fills the prefix cache
     fresh = [shared + random_ids(256, vocab, seed=s) for s in range(10, 14)]
-    hit = best_of(lambda: llm.prefill([fresh.pop()]), 3)
-    llm.prefill([random_ids(16, vocab, seed=3)])
-    cold = best_of(lambda: llm.prefill([random_ids(2048, vocab, seed=99)]), 1)
+    hit = best_of(lambda: llm.prefill([fresh.pop()]), 3)  # 1 untimed + 3 timed, each a new tail
+    cold_prompts = [random_ids(2048, vocab, seed=s) for s in (98, 99)]  # nothing shared
+    cold = best_of(lambda: llm.prefill([cold_prompts.pop()]), 1)
     return f"2048-token prompt, 1792 cached: TTFT {hit * 1e3:.0f} ms vs {cold * 1e3:.0f} ms uncached = {hit / cold:.2f}x"
 
 
-def batching(llm: LLM, vocab: int) -> str:
+def batching(model: str, dtype: str, vocab: int) -> str:
     prompts = [random_ids(n, vocab, seed=n) for n in (64, 96, 128, 160, 192, 224, 256, 288)]
     tokens = sum(map(len, prompts))
-    together = best_of(lambda: llm.prefill(prompts), 2)
-    apart = best_of(lambda: [llm.prefill([p]) for p in prompts], 2)
+    with LLM(model, dtype=dtype, enable_prefix_caching=False, max_num_batched_tokens=4096) as llm:
+        together = best_of(lambda: llm.prefill(prompts), 2)
+        apart = best_of(lambda: [llm.prefill([p]) for p in prompts], 2)
     return (f"8 prompts ({tokens} tokens): one batch {tokens / together:.0f} tok/s vs 8 prefills "
             f"{tokens / apart:.0f} tok/s = {apart / together:.2f}x")
 
@@ -98,7 +99,7 @@ def main() -> None:
     with LLM(args.model, dtype=args.dtype, max_num_batched_tokens=4096) as llm:
         vocab = llm.model_config.vocab_size
         print(prefix_hit(llm, vocab))
-        print(batching(llm, vocab))
+    print(batching(args.model, args.dtype, vocab))
     print(short_behind_long(args.model, args.dtype, vocab))
     print(peak_memory(args.model, args.dtype))
 

@@ -2,23 +2,11 @@
 from __future__ import annotations
 
 import platform
-import time
 
 import torch
 
-
-def random_ids(n: int, vocab: int, seed: int) -> list[int]:
-    return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def best_of(fn, repeats: int) -> float:
-    """Fastest of `repeats` runs, in seconds: the least disturbed by the rest of the machine."""
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
+from engine.hardware import best_seconds as best_of  # noqa: F401  (shared by the benchmarks)
+from launcher.bench import random_prompt as random_ids  # noqa: F401
 
 
 def machine() -> str:

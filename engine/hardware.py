@@ -35,7 +35,9 @@ class Hardware:
                 "ridge_flops_per_byte": self.ridge}
 
 
-def _best_seconds(fn, repeats: int = 5) -> float:
+def best_seconds(fn, repeats: int = 5) -> float:
+    """Fastest of `repeats` timed runs after one untimed: the run least disturbed by the rest of
+    the machine."""
     fn()
     best = float("inf")
     for _ in range(repeats):
@@ -62,8 +64,8 @@ def measure(device: str, dtype: torch.dtype) -> Hardware:
         dst.copy_(src)
         sync()
 
-    flops = 2 * n ** 3 / _best_seconds(matmul)
-    bandwidth = 2 * src.numel() * 4 / _best_seconds(copy)  # read + write
+    flops = 2 * n ** 3 / best_seconds(matmul)
+    bandwidth = 2 * src.numel() * 4 / best_seconds(copy)  # read + write
     return Hardware(f"{device}-measured", flops, bandwidth)
 
 

@@ -20,10 +20,11 @@ from engine.hardware import hardware
 from launcher.common import CONF_DIR, llm_from_config
 
 
-def _random_prompt(n: int, vocab: int) -> list[int]:
+def random_prompt(n: int, vocab: int, seed: int) -> list[int]:
+    """n token ids drawn from the vocabulary (past the first few special ids), reproducibly."""
     import torch
 
-    return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+    return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def _best_ttft(llm, ids: list[int], repeats: int) -> float:
@@ -62,7 +63,7 @@ def measure(cfg: DictConfig) -> dict:
         cfg.engine.max_num_batched_tokens = max(cfg.engine.max_num_batched_tokens, cfg.prompt_len)
     with llm_from_config(cfg) as llm:
         mc, hw = llm.model_config, hardware(cfg.hardware, llm.config.device, llm.config.torch_dtype)
-        ids = _random_prompt(cfg.prompt_len, mc.vocab_size)
+        ids = random_prompt(cfg.prompt_len, mc.vocab_size, seed=cfg.prompt_len)
         llm.prefill([ids[:8]])  # warm-up
         ttft = _best_ttft(llm, ids, cfg.repeats)
         start = time.perf_counter()

@@ -17,9 +17,9 @@ import triton
 import triton.language as tl
 
 from engine.attention import AttentionMetadata
-from engine.kernels.flash_attention import paged_attention_reference
+from engine.kernels.flash_attention import paged_attention_reference as decode_attention_reference  # noqa: F401  (the plain-torch function this kernel computes)
 from engine.kernels.interpreter import needs_fp32_dot
-from engine.kernels.paging import block_table_tensor
+from engine.kernels.paging import block_table_tensor, load_kv_tile
 from engine.kv_cache import KVCache
 
 _LOG2E = 1.4426950408889634
@@ -56,14 +56,8 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, ctx_ptr, table_ptr, gr
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         in_split = pos < end
-        block = tl.load(table_ptr + pos // block_size, mask=in_split, other=0).to(tl.int64)
-        row = block * stride_cblock + (pos % block_size) * stride_cslot + kv_head * stride_chead
-        kv_mask = in_split[:, None] & d_ok[None, :]
-        k = tl.load(k_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        if FP32_DOT:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, table_ptr, pos, in_split, kv_head, offs_d,
+                            d_ok, stride_cblock, stride_cslot, stride_chead, block_size, FP32_DOT)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # log2 units
         s = tl.where(in_split[None, :], s, float("-inf"))
         # the first tile of a split always holds key `start`, so m_new is finite: no NaN

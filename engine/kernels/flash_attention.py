@@ -20,7 +20,7 @@ import triton.language as tl
 
 from engine.attention import AttentionMetadata
 from engine.kernels.interpreter import needs_fp32_dot
-from engine.kernels.paging import block_table_tensor
+from engine.kernels.paging import block_table_tensor, load_kv_tile
 from engine.kv_cache import KVCache
 
 _LOG2E = 1.4426950408889634
@@ -40,15 +40,8 @@ def _attend_tile(acc, m_i, l_i, q, q_pos, qk_scale, k_cache_ptr, v_cache_ptr, ta
     for n0 in range(n_start, n_end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         in_ctx = pos < kv_len
-        # each key finds its own page, so BLOCK_N need not match the cache's block size
-        block = tl.load(table_ptr + pos // block_size, mask=in_ctx, other=0).to(tl.int64)
-        row = block * stride_cblock + (pos % block_size) * stride_cslot + kv_head * stride_chead
-        kv_mask = in_ctx[:, None] & d_ok[None, :]
-        k = tl.load(k_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-        if FP32_DOT:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+        k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, table_ptr, pos, in_ctx, kv_head, offs_d,
+                            d_ok, stride_cblock, stride_cslot, stride_chead, block_size, FP32_DOT)
         # scaled in fp32: folding the scale into a 16-bit q would round it once more
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
         if CAUSAL:

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 
 def block_table_tensor(block_tables: list[list[int]], device: torch.device) -> torch.Tensor:
@@ -10,3 +12,19 @@ def block_table_tensor(block_tables: list[list[int]], device: torch.device) -> t
     width = max((len(t) for t in block_tables), default=0) or 1
     rows = [t + [0] * (width - len(t)) for t in block_tables]
     return torch.tensor(rows, dtype=torch.int32, device=device).reshape(len(block_tables), width)
+
+
+@triton.jit
+def load_kv_tile(k_cache_ptr, v_cache_ptr, table_ptr, pos, valid, kv_head, offs_d, d_ok,
+                 stride_cblock, stride_cslot, stride_chead, block_size, FP32_DOT: tl.constexpr):
+    """K and V rows [len(pos), BLOCK_D] of one KV head at context positions `pos` (masked by
+    `valid`). Each key finds its own page, so a tile need not match the cache's block size."""
+    block = tl.load(table_ptr + pos // block_size, mask=valid, other=0).to(tl.int64)
+    row = block * stride_cblock + (pos % block_size) * stride_cslot + kv_head * stride_chead
+    kv_mask = valid[:, None] & d_ok[None, :]
+    k = tl.load(k_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    if FP32_DOT:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    return k, v
