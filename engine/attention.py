@@ -20,6 +20,8 @@ class AttentionMetadata:
     block_tables: list[list[int]]
     slot_mapping: torch.Tensor
     kv_head_of_q: torch.Tensor  # local KV head read by each local query head
+    # query head h reads KV head h // (hq / hkv): SDPA can share the KV heads itself, no copies
+    uniform_groups: bool = False
 
 
 def _causal_mask(q_len: int, kv_len: int, device) -> torch.Tensor:
@@ -40,17 +42,16 @@ def torch_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
             keys, values = k[s:e], v[s:e]
         else:
             keys, values = cache.gather(layer, meta.block_tables[i], kv_len)
+        if not meta.uniform_groups:  # uneven groups on this rank: one KV copy per query head
+            keys = keys.index_select(1, meta.kv_head_of_q)
+            values = values.index_select(1, meta.kv_head_of_q)
         # [1, heads, len, d]: torch's fused CPU kernels take 4-D inputs only (3-D falls back to
         # the math path, which builds the full score matrix: ~5x slower at 2k tokens)
-        keys = keys.index_select(1, meta.kv_head_of_q).transpose(0, 1).unsqueeze(0)
-        values = values.index_select(1, meta.kv_head_of_q).transpose(0, 1).unsqueeze(0)
-        queries = q[s:e].transpose(0, 1).unsqueeze(0)
-        if e - s == kv_len:
-            o = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, scale=scale)
-        elif e - s == 1:
-            o = F.scaled_dot_product_attention(queries, keys, values, scale=scale)
-        else:
-            mask = _causal_mask(e - s, kv_len, q.device)
-            o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale)
+        queries, keys, values = (x.transpose(0, 1).unsqueeze(0) for x in (q[s:e], keys, values))
+        q_len = e - s
+        whole = q_len == kv_len  # plain causal; a single query sees everything: no mask either
+        mask = None if whole or q_len == 1 else _causal_mask(q_len, kv_len, q.device)
+        o = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, is_causal=whole,
+                                           scale=scale, enable_gqa=meta.uniform_groups)
         out[s:e] = o[0].transpose(0, 1)
     return out

@@ -48,7 +48,10 @@ class Worker:
         num_blocks = int(cfg.kv_cache_gb * 2**30) // (widest_bytes * cfg.block_size)
         self.cache = KVCache(mc.num_layers, num_blocks, cfg.block_size, heads, mc.head_dim,
                              self.dtype, self.device)
-        self.kv_head_of_q = torch.tensor(self.plan.heads.kv_head_of_q_head(), device=self.device)
+        mapping = self.plan.heads.kv_head_of_q_head()
+        self.kv_head_of_q = torch.tensor(mapping, device=self.device)
+        group = len(mapping) // self.plan.heads.num_kv_heads
+        self.uniform_groups = mapping == [h // group for h in range(len(mapping))]
 
     def _load(self, ckpt: Checkpoint) -> None:
         """Every tensor the model needs, each exactly as expected, and no tensor left over."""
@@ -85,7 +88,7 @@ class Worker:
             cu_seqlens_q=batch.cu_seqlens_q, context_lens=batch.context_lens,
             block_tables=batch.block_tables,
             slot_mapping=torch.tensor(batch.slot_mapping, device=dev),
-            kv_head_of_q=self.kv_head_of_q)
+            kv_head_of_q=self.kv_head_of_q, uniform_groups=self.uniform_groups)
         logits = self.model(torch.tensor(batch.token_ids, device=dev),
                             torch.tensor(batch.positions, device=dev), self.cache, meta,
                             torch.tensor(batch.logits_indices, device=dev, dtype=torch.long))

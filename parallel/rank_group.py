@@ -18,6 +18,7 @@ the driver's working directory on their `sys.path` (true for a local `ray.init`)
 from __future__ import annotations
 
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, NoReturn
@@ -34,6 +35,7 @@ from parallel import comm
 _CLOSE_TIMEOUT_S = 5.0
 # After one rank raised, how long the others get to answer before they count as stuck.
 _RAISE_GRACE_S = 2.0
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")  # Ray colours its remote tracebacks
 
 
 @dataclass(slots=True)
@@ -118,7 +120,7 @@ class _Outcome:
             return None
         if self.pending:
             why += f" (ranks still running: {self.pending})"
-        return rank, why
+        return rank, _ANSI.sub("", why)
 
 
 def _gather(refs: list[ray.ObjectRef], timeout_s: float) -> _Outcome:
