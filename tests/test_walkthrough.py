@@ -152,3 +152,26 @@ def test_app_writes_json_trace_and_roofline(tmp_path, tiny_model_dir):
     spans = [e for e in trace if e["ph"] == "X"]
     assert spans and all(e["dur"] >= 0 and "ts" in e for e in spans)
     assert files["roofline"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_app_appends_results_and_draws_plots(tmp_path, tiny_model_dir):
+    from hydra import compose, initialize_config_dir
+
+    from launcher.bench import main as bench_main
+    from launcher.common import CONF_DIR
+
+    results = tmp_path / "results.jsonl"
+    for length in (16, 32):
+        with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+            cfg = compose("bench", overrides=[f"model.path={tiny_model_dir('qwen2')}",
+                                               f"prompt_len={length}", "repeats=1", "decode_tokens=3",
+                                               f"results={results}", f"plots_dir={tmp_path / 'plots'}"])
+        bench_main.__wrapped__(cfg)  # the function under @hydra.main, with a composed config
+    rows = [json.loads(line) for line in results.read_text().splitlines()]
+    assert [r["prompt_len"] for r in rows] == [16, 32]
+    for r in rows:
+        assert r["prefill_tok_s"] == pytest.approx(r["prompt_len"] / r["ttft_s"])
+        assert r["transformers_ttft_s"] > 0 and r["speedup_vs_transformers"] > 0
+        assert sum(n["ranks"] for n in r["nodes"].values()) == 1
+    for png in ("ttft_vs_prompt_len.png", "tp_scaling.png"):
+        assert (tmp_path / "plots" / png).read_bytes()[:4] == b"\x89PNG"
