@@ -47,12 +47,14 @@ def _baseline_s(cfg: DictConfig, llm, ids: list[int]) -> float | None:
 
 
 def _per_node(llm) -> dict:
-    """Ranks, weight and KV-cache bytes and resident memory, per node."""
+    """Ranks and resident memory per node (keyed by address and Ray node id: several nodes
+    may share one address, as in a test cluster on one machine)."""
     nodes: dict[str, dict] = {}
     for replica, ranks in enumerate(llm.placement()):
         memory = llm.replicas[replica].executor.call("memory")
-        for (ip, _), mem in zip(ranks, memory):
-            node = nodes.setdefault(ip, {"ranks": 0, "resident_bytes": 0})
+        for (ip, node_id), mem in zip(ranks, memory):
+            key = ip if node_id == "local" else f"{ip} {node_id[:8]}"
+            node = nodes.setdefault(key, {"ranks": 0, "resident_bytes": 0})
             node["ranks"] += 1
             node["resident_bytes"] += mem["resident_bytes"]
     return nodes
