@@ -114,15 +114,14 @@ def _traced(llm, fn) -> tuple[list[dict], object]:
 
 def _last_step(records: list[dict]) -> list[dict]:
     """The records of the final forward pass: each pass starts with the embedding on every rank."""
-    starts = [i for i, r in enumerate(records) if r["name"] == "embedding"]
     by_rank: dict[int, list[dict]] = {}
     for rec in records:
         by_rank.setdefault(rec["rank"], []).append(rec)
     last = []
     for recs in by_rank.values():
-        begin = max(i for i, r in enumerate(recs) if r["name"] == "embedding")
-        last += recs[begin:]
-    return last if starts else []
+        starts = [i for i, r in enumerate(recs) if r["name"] == "embedding"]
+        last += recs[starts[-1]:] if starts else []
+    return last
 
 
 def _model_section(llm) -> dict:
@@ -165,14 +164,10 @@ def _cache_savings(llm, ids: list[int], n: int) -> dict:
     [g] = llm.generate([ids], SamplingParams(max_tokens=n, ignore_eos=True))
     with_cache = time.perf_counter() - start
     seq, start = list(ids), time.perf_counter()
-    blocks = llm.replicas[0].block_manager
-    blocks.enable_prefix_caching, saved = False, blocks.enable_prefix_caching
-    try:
+    with llm.replicas[0].block_manager.caching_disabled():
         for token in g.token_ids:
             llm.prefill([seq])
             seq.append(token)
-    finally:
-        blocks.enable_prefix_caching = saved
     recompute = time.perf_counter() - start
     t = len(ids)
     flops_cache = forward_flops(mc, t, t) + sum(forward_flops(mc, 1, t + i) for i in range(1, n))
@@ -199,12 +194,8 @@ def run_walkthrough(llm, prompt, hw: Hardware, decode_tokens: int = 8, top_k: in
     ids = llm.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
     tokenize_s = time.perf_counter() - start
     llm.prefill([ids[:1]])  # warm-up: first-call costs are not the prefill's
-    blocks = llm.replicas[0].block_manager
-    blocks.enable_prefix_caching, saved = False, blocks.enable_prefix_caching  # a full prefill
-    try:
+    with llm.replicas[0].block_manager.caching_disabled():  # a full prefill, whatever was cached
         records, [out] = _traced(llm, lambda: llm.prefill([ids]))
-    finally:
-        blocks.enable_prefix_caching = saved
     step = llm.step_timings()[-1]
     prefill = Section.from_records(records, len(ids), step.forward_s + step.sample_s, hw)
     records, _ = _traced(llm, lambda: llm.generate([ids], SamplingParams(max_tokens=2, ignore_eos=True)))
