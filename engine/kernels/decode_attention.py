@@ -19,6 +19,7 @@ import triton.language as tl
 from engine.attention import AttentionMetadata
 from engine.kernels.flash_attention import paged_attention_reference as decode_attention_reference  # noqa: F401  (the plain-torch function this kernel computes)
 from engine.kernels.interpreter import needs_fp32_dot
+from engine.kernels.online_softmax import fold_tile
 from engine.kernels.paging import block_table_tensor, load_kv_tile
 from engine.kv_cache import KVCache
 
@@ -60,13 +61,8 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, ctx_ptr, table_ptr, gr
                             d_ok, stride_cblock, stride_cslot, stride_chead, block_size, FP32_DOT)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # log2 units
         s = tl.where(in_split[None, :], s, float("-inf"))
-        # the first tile of a split always holds key `start`, so m_new is finite: no NaN
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        # the first tile of a split always holds key `start`, so every row has a finite score
+        acc, m_i, l_i = fold_tile(acc, m_i, l_i, s, v, PRECISION)
 
     # partials are indexed by query head, so the merge needs no knowledge of the grouping, and
     # it reads only the splits that hold keys. part_acc is [B, hq, splits, BLOCK_D] contiguous,

@@ -20,6 +20,7 @@ import triton.language as tl
 
 from engine.attention import AttentionMetadata
 from engine.kernels.interpreter import needs_fp32_dot
+from engine.kernels.online_softmax import fold_tile
 from engine.kernels.paging import block_table_tensor, load_kv_tile
 from engine.kv_cache import KVCache
 
@@ -48,13 +49,8 @@ def _attend_tile(acc, m_i, l_i, q, q_pos, qk_scale, k_cache_ptr, v_cache_ptr, ta
             visible = (pos[None, :] <= q_pos[:, None]) & in_ctx[None, :]
             s = tl.where(visible, s, float("-inf"))
         # a row's first tile always holds a key it sees (key 0, or in the band the key at
-        # full_end <= its position), so m_new is finite from then on and no NaN can appear
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+        # full_end <= its position), so every row has a finite score
+        acc, m_i, l_i = fold_tile(acc, m_i, l_i, s, v, PRECISION)
     return acc, m_i, l_i
 
 
