@@ -12,8 +12,6 @@ larger than [BLOCK_M, BLOCK_N] ever exists.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
