@@ -199,8 +199,9 @@ class LLM:
     def _drive(self, seqs: list[Sequence]) -> None:
         while True:
             with self._lock:
-                if self._failure is not None and any(s.finish_reason == "rank failure" for s in seqs):
-                    raise RankFailure(self._failure)
+                if any(s.finish_reason == "rank failure" for s in seqs):
+                    # another thread's step found the dead rank (and may have restarted since)
+                    raise RankFailure(self._failure or "a rank failed while this request ran")
                 if all(s.finish_reason is not None for s in seqs):
                     return
                 try:
