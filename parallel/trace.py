@@ -6,7 +6,7 @@ between device synchronisations, so the numbers are the op's own, not the queue'
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 from typing import Callable
 
@@ -45,13 +45,14 @@ class Tracer:
         records, self.records = self.records, []
         return records
 
-    @contextmanager
     def op(self, name: str, cost: Callable[[], tuple[str, int, int]], device: torch.device):
-        """Time the body as op `name`; `cost()` -> (shapes, FLOPs, bytes) runs only when tracing,
-        so an untraced forward pays for neither the strings nor the arithmetic."""
-        if not self.enabled:
-            yield
-            return
+        """Time the body as op `name`; `cost()` -> (shapes, FLOPs, bytes) runs only when tracing.
+        Untraced, this returns one shared no-op context: the per-layer forward pays ~0.5 µs an
+        op instead of building a generator (~2 µs, ~0.8 ms per SmolLM2 step)."""
+        return self._timed(name, cost, device) if self.enabled else _UNTRACED
+
+    @contextmanager
+    def _timed(self, name: str, cost: Callable[[], tuple[str, int, int]], device: torch.device):
         shapes, flops, nbytes = cost()
         cuda = device.type == "cuda"
         if cuda:
@@ -65,6 +66,7 @@ class Tracer:
                                      start - self._origin, end - start))
 
 
+_UNTRACED = nullcontext()
 TRACER = Tracer()  # one per process, i.e. one per rank
 
 
