@@ -5,7 +5,7 @@ import platform
 
 import torch
 
-from engine.hardware import best_seconds as best_of  # noqa: F401  (shared by the benchmarks)
+from engine.observe.hardware import best_seconds as best_of  # noqa: F401  (shared by the benchmarks)
 from launcher.bench import random_prompt as random_ids  # noqa: F401
 
 

@@ -26,7 +26,7 @@ def _timed_failure(llm: LLM, inject) -> tuple[str, float]:
 
 
 def main() -> None:
-    from tests.tiny_models import build
+    from engine.loading.synthetic import build
     from pathlib import Path
     import tempfile
 

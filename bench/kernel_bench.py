@@ -4,7 +4,7 @@
     .venv/bin/python -m bench.kernel_bench --lengths 64 128      # CPU: Triton interpreted
 
 Section 1 times one sequence of L new tokens (32 query heads, 8 KV heads, head dim 128) through
-(a) engine.kernels.triton_attention over a paged cache, as the engine calls it, (b) torch SDPA
+(a) engine.rank.kernels.triton_attention over a paged cache, as the engine calls it, (b) torch SDPA
 and (c) a naive attention that materialises the scores. Section 2 times the engine's prefill of a
 random ~1B Llama (a tiny one on a CPU) at TP=1. On a CPU the Triton kernels run under the
 interpreter, so the numbers there only show that the script works, not how fast anything is.
@@ -29,9 +29,9 @@ if not ON_CUDA:  # triton reads this when the kernels are decorated, i.e. at the
 
 import triton  # noqa: E402
 
-from engine.attention import AttentionMetadata  # noqa: E402
-from engine.kernels import triton_attention  # noqa: E402
-from engine.kv_cache import KVCache  # noqa: E402
+from engine.rank.attention import AttentionMetadata  # noqa: E402
+from engine.rank.kernels import triton_attention  # noqa: E402
+from engine.rank.kv_cache import KVCache  # noqa: E402
 
 if TYPE_CHECKING:
     from engine import LLM
@@ -211,7 +211,7 @@ def save_random_llama(root: Path, tiny: bool, max_len: int, device: torch.device
 
 def engine_row(llm: "LLM", length: int, args: argparse.Namespace,
                device: torch.device) -> list[str]:
-    from engine.costs import forward_flops
+    from engine.observe.costs import forward_flops
 
     ids = torch.randint(0, llm.model_config.vocab_size, (length,),
                         generator=torch.Generator().manual_seed(length)).tolist()
@@ -235,7 +235,7 @@ def engine_row(llm: "LLM", length: int, args: argparse.Namespace,
 
 def bench_engine(args: argparse.Namespace, device: torch.device, dtype: str) -> None:
     from engine import LLM
-    from engine.backend import select_backend
+    from engine.rank.backend import select_backend
 
     tiny = args.model == "tiny"
     max_len = max(args.engine_lengths)
@@ -264,7 +264,7 @@ def bench_engine(args: argparse.Namespace, device: torch.device, dtype: str) -> 
              f"{mc.num_heads}/{mc.num_kv_heads} kv, head dim {mc.head_dim}, vocab "
              f"{mc.vocab_size} | built+saved {built:.1f} s, loaded {loaded:.1f} s | median of "
              f"{args.engine_repeats} after {args.engine_warmup} warm-up\nms: whole prefill call; "
-             f"fwd ms: rank 0 inside the forward; TFLOP/s from engine.costs.forward_flops over "
+             f"fwd ms: rank 0 inside the forward; TFLOP/s from engine.observe.costs.forward_flops over "
              f"ms; MFU against {args.peak_tflops:g} TFLOP/s")
     print_table(title, ["L", "ms", "fwd ms", "tok/s", "TFLOP/s", "MFU"], rows)
 

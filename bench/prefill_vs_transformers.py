@@ -9,8 +9,8 @@ import argparse
 import torch
 
 from engine import LLM
-from engine.checkpoint import resolve_model
-from engine.costs import forward_flops
+from engine.loading.checkpoint import resolve_model
+from engine.observe.costs import forward_flops
 from launcher.baseline import hf_model, hf_prefill
 from bench.common import best_of, machine, random_ids
 

@@ -2,8 +2,8 @@
 from engine.errors import (ConfigError, EngineError, InvalidRequestError, ModelLoadError,
                            NumericalError, RankFailure, UnsupportedModelError)
 from engine.llm import LLM
-from engine.outputs import GenerateOutput, PrefillOutput
-from engine.sampling_params import SamplingParams
+from engine.driver.outputs import GenerateOutput, PrefillOutput
+from engine.driver.sampling_params import SamplingParams
 
 __all__ = ["LLM", "SamplingParams", "PrefillOutput", "GenerateOutput", "EngineError",
            "InvalidRequestError", "ConfigError", "ModelLoadError", "UnsupportedModelError",

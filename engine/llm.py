@@ -5,20 +5,20 @@ import logging
 import threading
 from typing import Sequence as Seq
 
-from engine.backend import select_backend
-from engine.checkpoint import open_checkpoint
+from engine.rank.backend import select_backend
+from engine.loading.checkpoint import open_checkpoint
 from engine.config import EngineConfig
 from engine.errors import ConfigError, InvalidRequestError, NumericalError, RankFailure
-from engine.executor import make_executors
-from engine.outputs import GenerateOutput, PrefillOutput
-from engine.sampling_params import SamplingParams
-from engine.replica import Replica, StepTiming
-from engine.sequence import Sequence
-from engine.tokenizer import load_tokenizer
+from engine.driver.executor import make_executors
+from engine.driver.prompts import Prompt, PromptLimits, as_prompt_list, prompt_token_ids
+from engine.driver.outputs import GenerateOutput, PrefillOutput
+from engine.driver.sampling_params import SamplingParams
+from engine.driver.replica import Replica, StepTiming
+from engine.driver.sequence import Sequence
+from engine.loading.tokenizer import load_tokenizer
 from parallel.partition import partition_heads
 
 log = logging.getLogger("engine")
-Prompt = str | list[int]
 
 
 class LLM:
@@ -85,8 +85,8 @@ class LLM:
                     top_k: int = 5):
         """A measured walk through this engine's prefill of `prompt` and one decode step: every
         op per layer per rank, the KV cache, the first token, the cache's savings, the TTFT."""
-        from engine.hardware import hardware as lookup
-        from engine.walkthrough import run_walkthrough
+        from engine.observe.hardware import hardware as lookup
+        from engine.observe.walkthrough import run_walkthrough
 
         hw = lookup(hardware, self.config.device, self.config.torch_dtype)
         return run_walkthrough(self, prompt, hw, decode_tokens, top_k)
@@ -134,7 +134,7 @@ class LLM:
     def _submit(self, prompts, params: SamplingParams, keep_first_logits: bool = False) -> list[Sequence]:
         if not self.replicas:
             raise InvalidRequestError("this LLM was shut down; call restart() or create a new one")
-        token_lists = [self._tokens(p) for p in _as_prompt_list(prompts)]
+        token_lists = [self._tokens(p) for p in as_prompt_list(prompts)]
         seqs = [Sequence(t, params, keep_first_logits=keep_first_logits) for t in token_lists]
         with self._lock:
             if self._failure is not None:
@@ -147,31 +147,10 @@ class LLM:
             min(self.replicas, key=lambda r: r.load).scheduler.add(s)
 
     def _tokens(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise InvalidRequestError(f"{self.config.model} ships no tokenizer; pass token ids")
-            ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
-            ids = list(prompt)
-        else:
-            raise InvalidRequestError(
-                f"a prompt must be a string or a list of int token ids, got {type(prompt).__name__}")
-        if not ids:
-            raise InvalidRequestError("empty prompt: give at least one token")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequestError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
-        if len(ids) > self.max_model_len:
-            raise InvalidRequestError(
-                f"prompt of {len(ids)} tokens exceeds max_model_len={self.max_model_len}; "
-                f"shorten it or raise max_model_len (at most the model's context)")
         bm = self.replicas[0].block_manager
-        if bm.blocks_for(len(ids) + 1) > bm.num_blocks:
-            raise InvalidRequestError(
-                f"prompt of {len(ids)} tokens needs {bm.blocks_for(len(ids) + 1)} KV blocks but "
-                f"the cache holds {bm.num_blocks}; raise kv_cache_gb")
-        return ids
+        limits = PromptLimits(self.config.model, self.model_config.vocab_size, self.max_model_len,
+                              bm.block_size, bm.num_blocks)
+        return prompt_token_ids(prompt, self.tokenizer, limits)
 
     def _run(self, seqs: list[Sequence]) -> None:
         """Step the engine until every one of `seqs` is done. A rank failure fails them all, or,
@@ -223,16 +202,3 @@ class LLM:
         for replica, handle in launched:
             if handle is not None:
                 replica.finish(handle)
-
-
-def _as_prompt_list(prompts) -> list[Prompt]:
-    if isinstance(prompts, str):
-        return [prompts]
-    if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
-        return [list(prompts)]  # one prompt given as token ids
-    if isinstance(prompts, (list, tuple)):
-        if not prompts:
-            raise InvalidRequestError("no prompts given")
-        return list(prompts)
-    raise InvalidRequestError(f"prompts must be a string, token ids, or a list of them; "
-                              f"got {type(prompts).__name__}")

@@ -14,9 +14,9 @@ from rich.table import Table
 from tqdm import tqdm
 
 from engine import SamplingParams
-from engine.checkpoint import resolve_model
-from engine.costs import forward_flops
-from engine.hardware import hardware
+from engine.loading.checkpoint import resolve_model
+from engine.observe.costs import forward_flops
+from engine.observe.hardware import hardware
 from launcher.common import CONF_DIR, llm_from_config
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from engine.walkthrough import Section, WalkthroughReport
+from engine.observe.walkthrough import Section, WalkthroughReport
 
 
 def _si(x: float, unit: str) -> str:

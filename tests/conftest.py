@@ -27,7 +27,7 @@ def ray_cluster():
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     """build(name) -> directory of a tiny random checkpoint, saved once per session."""
-    from tests.tiny_models import build
+    from engine.loading.synthetic import build
 
     root = tmp_path_factory.mktemp("tiny_models")
     return lambda name: build(name, root)
@@ -35,7 +35,7 @@ def tiny_model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def smollm2_path():
-    from engine.checkpoint import resolve_model
+    from engine.loading.checkpoint import resolve_model
 
     return str(resolve_model("smollm2"))
 

@@ -164,7 +164,7 @@ def main() -> int:
     args = parser.parse_args()
 
     tmp = _private_ray_env()
-    sys.path.insert(0, str(ROOT))  # tests.tiny_models, and the repo for Ray workers
+    sys.path.insert(0, str(ROOT))  # engine.loading.synthetic, and the repo for Ray workers
     os.chdir(ROOT)  # Ray workers get the driver's cwd on sys.path
     result: dict = {"ok": False}
     start = time.perf_counter()
@@ -172,7 +172,7 @@ def main() -> int:
         _ensure_token()
         model = args.model
         if model is None:
-            from tests.tiny_models import build
+            from engine.loading.synthetic import build
 
             model = str(build("uneven", Path(tmp)))
         check(model, result)

@@ -6,9 +6,9 @@ block freed before its head).
 """
 import pytest
 
-from engine.block_manager import BlockManager, chain_hash
-from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+from engine.driver.block_manager import BlockManager, chain_hash
+from engine.driver.sampling_params import SamplingParams
+from engine.driver.sequence import Sequence
 
 BS = 4
 

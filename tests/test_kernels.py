@@ -1,5 +1,5 @@
 """Triton kernels against their torch references and the engine's own torch paths
-(engine.attention.torch_attention, engine.model.RMSNorm, engine.rope.RotaryEmbedding): compiled on
+(engine.rank.attention.torch_attention, engine.rank.model.RMSNorm, engine.rank.rope.RotaryEmbedding): compiled on
 a CUDA GPU when there is one, else under the CPU interpreter.
 
 Shapes are tiny on purpose: the interpreter costs about a millisecond per program instance.
@@ -18,12 +18,12 @@ import pytest
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from engine.attention import AttentionMetadata, torch_attention
-from engine.kernels import (decode_attention, flash_attention, kv_store, rmsnorm, rope,
+from engine.rank.attention import AttentionMetadata, torch_attention
+from engine.rank.kernels import (decode_attention, flash_attention, kv_store, rmsnorm, rope,
                             silu_mul)
-from engine.kv_cache import KVCache
-from engine.model_config import ModelConfig
-from engine.rope import RotaryEmbedding
+from engine.rank.kv_cache import KVCache
+from engine.loading.model_config import ModelConfig
+from engine.rank.rope import RotaryEmbedding
 
 # error allowed (absolute and relative), per dtype. bf16 keeps 8 significant bits, and the
 # interpreter casts fp32 -> bf16 by truncation where torch and the GPU round to nearest, so bf16

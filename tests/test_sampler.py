@@ -10,8 +10,8 @@ import torch
 
 from engine.batch import SamplingSpec
 from engine.errors import InvalidRequestError
-from engine.sampler import sample
-from engine.sampling_params import SamplingParams
+from engine.rank.sampler import sample
+from engine.driver.sampling_params import SamplingParams
 
 # softmax(log(p)) == p, so these logits have probabilities known by hand
 PROBS = [0.5, 0.3, 0.15, 0.05]

@@ -3,10 +3,10 @@ batch, and feed back one fake sampled id per logits row. Expected batches are wr
 """
 import itertools
 
-from engine.block_manager import BlockManager
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence, Status
+from engine.driver.block_manager import BlockManager
+from engine.driver.sampling_params import SamplingParams
+from engine.driver.scheduler import Scheduler
+from engine.driver.sequence import Sequence, Status
 
 BS = 4
 EOS = 2

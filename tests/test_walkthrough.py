@@ -6,7 +6,7 @@ import json
 import pytest
 
 from engine import LLM
-from engine.hardware import Hardware
+from engine.observe.hardware import Hardware
 from parallel.partition import even_ranges, partition_heads
 
 HW = Hardware("test-roof", peak_flops=1e11, peak_bytes=1e10)  # ridge at 10 FLOP/byte
@@ -14,7 +14,7 @@ HW = Hardware("test-roof", peak_flops=1e11, peak_bytes=1e10)  # ridge at 10 FLOP
 
 def hand_count(cfg: dict, tokens: int, tp: int = 1, elem: int = 4) -> tuple[int, int]:
     """FLOPs and bytes of a prefill of `tokens` tokens with no cached prefix, summed over ranks,
-    written out from the conventions in engine/costs.py: 2 FLOPs per multiply-add; element-wise
+    written out from the conventions in engine/observe/costs.py: 2 FLOPs per multiply-add; element-wise
     FLOPs per output element: RMSNorm 4 (+1 with the residual add), RoPE 3, SiLU·mul 4."""
     T, d, L, hd = tokens, cfg["hidden"], cfg["layers"], cfg["head_dim"]
     V, ffn = cfg["vocab"], cfg["ffn"]
@@ -57,7 +57,7 @@ def _cfg(llm: LLM) -> dict:
 
 
 def test_smollm2_counts_match_hand_count(smollm2_llm):
-    from engine.walkthrough import run_walkthrough
+    from engine.observe.walkthrough import run_walkthrough
 
     prompt = "The KV cache holds the keys and values of every prompt position."
     report = run_walkthrough(smollm2_llm, prompt, HW, decode_tokens=2)
@@ -74,7 +74,7 @@ def test_smollm2_counts_match_hand_count(smollm2_llm):
 
 @pytest.mark.parametrize("name", ["qwen2", "llama"])
 def test_tiny_model_counts_match_hand_count(tiny_model_dir, name):
-    from engine.walkthrough import run_walkthrough
+    from engine.observe.walkthrough import run_walkthrough
 
     with LLM(str(tiny_model_dir(name))) as llm:
         ids = list(range(3, 3 + 40))
@@ -91,8 +91,8 @@ def test_tiny_model_counts_match_hand_count(tiny_model_dir, name):
 
 
 def test_cache_versus_recompute_counts_n_times_more_compute(tiny_model_dir):
-    from engine.costs import forward_flops
-    from engine.walkthrough import run_walkthrough
+    from engine.observe.costs import forward_flops
+    from engine.observe.walkthrough import run_walkthrough
 
     with LLM(str(tiny_model_dir("qwen2"))) as llm:
         ids, n = list(range(3, 3 + 60)), 6
@@ -105,7 +105,7 @@ def test_cache_versus_recompute_counts_n_times_more_compute(tiny_model_dir):
 
 
 def test_tp2_shapes_follow_the_head_partition(ray_cluster, tiny_model_dir):
-    from engine.walkthrough import run_walkthrough
+    from engine.observe.walkthrough import run_walkthrough
 
     with LLM(str(tiny_model_dir("uneven")), tp=2) as llm:
         ids = list(range(3, 3 + 20))

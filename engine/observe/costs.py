@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.model_config import ModelConfig
+from engine.loading.model_config import ModelConfig
 from parallel.trace import nbytes, shape
 
 

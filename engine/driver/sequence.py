@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass, field
 from enum import Enum
 
-from engine.sampling_params import SamplingParams
+from engine.driver.sampling_params import SamplingParams
 
 _ids = itertools.count()
 

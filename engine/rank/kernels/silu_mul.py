@@ -5,7 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.ops import silu_mul as silu_mul_reference  # noqa: F401  (the plain-torch function this kernel replaces)
+from engine.rank.ops import silu_mul as silu_mul_reference  # noqa: F401  (the plain-torch function this kernel replaces)
 
 
 @triton.jit

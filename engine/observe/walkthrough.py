@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.costs import forward_flops
-from engine.hardware import Hardware
-from engine.sampling_params import SamplingParams
+from engine.observe.costs import forward_flops
+from engine.observe.hardware import Hardware
+from engine.driver.sampling_params import SamplingParams
 
 
 def _op_dict(rec: dict, hw: Hardware) -> dict:

@@ -3,12 +3,12 @@
 On CUDA they run compiled; on CPU they run under the Triton interpreter (TRITON_INTERPRET=1 must
 be set before these modules are imported, because @triton.jit reads it when it decorates).
 """
-from engine.kernels.decode_attention import triton_decode_attention
-from engine.kernels.flash_attention import triton_attention
-from engine.kernels.kv_store import triton_kv_store
-from engine.kernels.rmsnorm import triton_rmsnorm
-from engine.kernels.rope import triton_rope
-from engine.kernels.silu_mul import triton_silu_mul
+from engine.rank.kernels.decode_attention import triton_decode_attention
+from engine.rank.kernels.flash_attention import triton_attention
+from engine.rank.kernels.kv_store import triton_kv_store
+from engine.rank.kernels.rmsnorm import triton_rmsnorm
+from engine.rank.kernels.rope import triton_rope
+from engine.rank.kernels.silu_mul import triton_silu_mul
 
 __all__ = ["triton_attention", "triton_decode_attention", "triton_kv_store", "triton_rmsnorm",
            "triton_rope", "triton_silu_mul"]

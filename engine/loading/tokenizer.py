@@ -7,7 +7,7 @@ from pathlib import Path
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
-from engine.checkpoint import Checkpoint, GGUFCheckpoint
+from engine.loading.checkpoint import Checkpoint, GGUFCheckpoint
 
 _GGUF_CONTROL_TOKEN = 3
 

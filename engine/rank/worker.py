@@ -8,16 +8,16 @@ import time
 
 import torch
 
-from engine.attention import AttentionMetadata
+from engine.rank.attention import AttentionMetadata
 from engine.batch import Batch, StepResult
-from engine.backend import select_backend
-from engine.checkpoint import Checkpoint, open_checkpoint
+from engine.rank.backend import select_backend
+from engine.loading.checkpoint import Checkpoint, open_checkpoint
 from engine.config import EngineConfig
 from engine.errors import ModelLoadError
-from engine.kv_cache import KVCache
-from engine.model import CausalLM, ShardPlan
-from engine import costs
-from engine.sampler import sample
+from engine.rank.kv_cache import KVCache
+from engine.rank.model import CausalLM, ShardPlan
+from engine.observe import costs
+from engine.rank.sampler import sample
 from parallel import comm
 from parallel.partition import partition_heads
 from parallel.trace import TRACER

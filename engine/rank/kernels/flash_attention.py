@@ -1,4 +1,4 @@
-"""Flash-attention prefill over the paged KV cache, a drop-in for engine.attention.torch_attention.
+"""Flash-attention prefill over the paged KV cache, a drop-in for engine.rank.attention.torch_attention.
 
 Each sequence's new queries are the last q_len positions of its context; keys and values are read
 from the paged cache through the block table, so a chunk after earlier chunks, a prefix-cache hit
@@ -16,11 +16,11 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.attention import AttentionMetadata
-from engine.kernels.interpreter import needs_fp32_dot
-from engine.kernels.online_softmax import fold_tile
-from engine.kernels.paging import block_table_tensor, load_kv_tile
-from engine.kv_cache import KVCache
+from engine.rank.attention import AttentionMetadata
+from engine.rank.kernels.interpreter import needs_fp32_dot
+from engine.rank.kernels.online_softmax import fold_tile
+from engine.rank.kernels.paging import block_table_tensor, load_kv_tile
+from engine.rank.kv_cache import KVCache
 
 _LOG2E = 1.4426950408889634
 

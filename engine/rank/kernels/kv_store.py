@@ -5,7 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.kv_cache import KVCache
+from engine.rank.kv_cache import KVCache
 
 
 @triton.jit

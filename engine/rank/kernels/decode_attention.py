@@ -16,12 +16,12 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.attention import AttentionMetadata
-from engine.kernels.flash_attention import paged_attention_reference as decode_attention_reference  # noqa: F401  (the plain-torch function this kernel computes)
-from engine.kernels.interpreter import needs_fp32_dot
-from engine.kernels.online_softmax import fold_tile
-from engine.kernels.paging import block_table_tensor, load_kv_tile
-from engine.kv_cache import KVCache
+from engine.rank.attention import AttentionMetadata
+from engine.rank.kernels.flash_attention import paged_attention_reference as decode_attention_reference  # noqa: F401  (the plain-torch function this kernel computes)
+from engine.rank.kernels.interpreter import needs_fp32_dot
+from engine.rank.kernels.online_softmax import fold_tile
+from engine.rank.kernels.paging import block_table_tensor, load_kv_tile
+from engine.rank.kv_cache import KVCache
 
 _LOG2E = 1.4426950408889634
 

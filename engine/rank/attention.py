@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.kv_cache import KVCache
+from engine.rank.kv_cache import KVCache
 
 
 @dataclass(slots=True)

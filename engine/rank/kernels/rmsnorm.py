@@ -1,11 +1,11 @@
-"""Fused residual add + RMSNorm, with the semantics of engine.model.RMSNorm.forward."""
+"""Fused residual add + RMSNorm, with the semantics of engine.rank.model.RMSNorm.forward."""
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
 
-from engine.ops import rmsnorm as rmsnorm_reference  # noqa: F401  (the plain-torch function this kernel replaces)
+from engine.rank.ops import rmsnorm as rmsnorm_reference  # noqa: F401  (the plain-torch function this kernel replaces)
 
 
 @triton.jit

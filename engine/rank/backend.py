@@ -9,10 +9,10 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
-from engine import ops
-from engine.attention import torch_attention
+from engine.rank import ops
+from engine.rank.attention import torch_attention
 from engine.errors import ConfigError
-from engine.kv_cache import KVCache
+from engine.rank.kv_cache import KVCache
 
 BACKENDS = ("auto", "torch", "triton")
 
@@ -33,7 +33,7 @@ TORCH = Backend("torch", KVCache.store, torch_attention, ops.rmsnorm, ops.rope, 
 def _triton() -> Backend:
     import triton  # noqa: F401  (fails here, clearly, when triton is missing)
 
-    from engine import kernels
+    from engine.rank import kernels
 
     def attention(layer, q, k, v, cache, meta, scale):
         if len(q) == len(meta.context_lens):  # one new token per sequence: a decode step

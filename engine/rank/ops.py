@@ -1,5 +1,5 @@
 """The small ops of a transformer layer in plain torch: the CPU path of the engine, and the
-reference every Triton kernel in engine/kernels is tested against."""
+reference every Triton kernel in engine/rank/kernels is tested against."""
 from __future__ import annotations
 
 import torch

@@ -7,11 +7,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from engine.block_manager import BlockManager
+from engine.driver.block_manager import BlockManager
 from engine.config import EngineConfig
-from engine.executor import Executor
-from engine.sequence import Sequence
-from engine.scheduler import Scheduler
+from engine.driver.executor import Executor
+from engine.driver.sequence import Sequence
+from engine.driver.scheduler import Scheduler
 
 
 @dataclass(slots=True)

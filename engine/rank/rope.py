@@ -5,7 +5,7 @@ import math
 
 import torch
 
-from engine.model_config import ModelConfig
+from engine.loading.model_config import ModelConfig
 
 
 def _llama3_scaled(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:

@@ -1,0 +1,63 @@
+"""Prompts as the user gives them (text, token ids, or a list of either) turned into checked
+token-id lists, before anything reaches a rank."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.errors import InvalidRequestError
+from engine.loading.tokenizer import Tokenizer
+
+Prompt = str | list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class PromptLimits:
+    """What the engine can serve: the vocabulary, the context, the KV pool."""
+
+    model: str
+    vocab_size: int
+    max_model_len: int
+    block_size: int
+    num_blocks: int
+
+
+def as_prompt_list(prompts) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
+        return [list(prompts)]  # one prompt given as token ids
+    if isinstance(prompts, (list, tuple)):
+        if not prompts:
+            raise InvalidRequestError("no prompts given")
+        return list(prompts)
+    raise InvalidRequestError(f"prompts must be a string, token ids, or a list of them; "
+                              f"got {type(prompts).__name__}")
+
+
+def prompt_token_ids(prompt: Prompt, tokenizer: Tokenizer | None, limits: PromptLimits) -> list[int]:
+    """The prompt's token ids, checked against the vocabulary, the context and the cache."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise InvalidRequestError(f"{limits.model} ships no tokenizer; pass token ids")
+        ids = tokenizer.encode(prompt)
+    elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
+        ids = list(prompt)
+    else:
+        raise InvalidRequestError(
+            f"a prompt must be a string or a list of int token ids, got {type(prompt).__name__}")
+    if not ids:
+        raise InvalidRequestError("empty prompt: give at least one token")
+    bad = [t for t in ids if not 0 <= t < limits.vocab_size]
+    if bad:
+        raise InvalidRequestError(f"token ids {bad[:5]} are outside the vocabulary "
+                                  f"[0, {limits.vocab_size})")
+    if len(ids) > limits.max_model_len:
+        raise InvalidRequestError(
+            f"prompt of {len(ids)} tokens exceeds max_model_len={limits.max_model_len}; "
+            f"shorten it or raise max_model_len (at most the model's context)")
+    blocks = -(-(len(ids) + 1) // limits.block_size)
+    if blocks > limits.num_blocks:
+        raise InvalidRequestError(
+            f"prompt of {len(ids)} tokens needs {blocks} KV blocks but the cache holds "
+            f"{limits.num_blocks}; raise kv_cache_gb")
+    return ids

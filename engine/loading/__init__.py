@@ -1,0 +1,1 @@
+"""Reading a model: checkpoints (safetensors, GGUF), their configs, their tokenizers."""
