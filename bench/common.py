@@ -6,7 +6,7 @@ import platform
 import torch
 
 from engine.observe.hardware import best_seconds as best_of  # noqa: F401  (shared by the benchmarks)
-from launcher.bench import random_prompt as random_ids  # noqa: F401
+from engine.loading.synthetic import random_token_ids as random_ids  # noqa: F401
 
 
 def machine() -> str:

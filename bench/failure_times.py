@@ -37,12 +37,12 @@ def main() -> None:
     rows = []
     with LLM(path, tp=2, step_timeout_s=30, collective_timeout_s=5) as llm:
         cases = [
-            ("rank 1 killed (SIGKILL) between requests", lambda: os.kill(llm.replicas[0].executor.group.pids()[1], signal.SIGKILL)),
-            ("rank 0 killed (SIGKILL) between requests", lambda: os.kill(llm.replicas[0].executor.group.pids()[0], signal.SIGKILL)),
-            ("rank 1 frozen (SIGSTOP): rank 0 hangs in all-reduce", lambda: os.kill(llm.replicas[0].executor.group.pids()[1], signal.SIGSTOP)),
+            ("rank 1 killed (SIGKILL) between requests", lambda: os.kill(llm.rank_pids()[0][1], signal.SIGKILL)),
+            ("rank 0 killed (SIGKILL) between requests", lambda: os.kill(llm.rank_pids()[0][0], signal.SIGKILL)),
+            ("rank 1 frozen (SIGSTOP): rank 0 hangs in all-reduce", lambda: os.kill(llm.rank_pids()[0][1], signal.SIGSTOP)),
         ]
         for name, inject in cases:
-            pids = llm.replicas[0].executor.group.pids()
+            pids = llm.rank_pids()[0]
             error, seconds = _timed_failure(llm, inject)
             for pid in pids:  # a frozen rank is killed by the teardown; let it go if not
                 try:

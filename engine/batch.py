@@ -56,3 +56,4 @@ class StepResult:
     collective_s: float = 0.0  # of which inside all-reduce / gather
     sample_s: float = 0.0  # rank 0's time choosing the tokens
     nonfinite_rows: list[int] = field(default_factory=list)  # logits rows holding NaN or Inf
+    row_errors: dict[int, str] = field(default_factory=dict)  # rows whose sampling raised

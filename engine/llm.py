@@ -1,22 +1,29 @@
-"""The public entry point: tokenize, schedule, run steps on the ranks, return outputs."""
+"""The public entry point: check and tokenize prompts, hand them to the step loop, return outputs.
+
+Everything above the engine (launcher/, bench/, the walkthrough) uses only the methods here.
+"""
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import dataclasses
 import logging
-import threading
-from typing import Sequence as Seq
+import weakref
+from contextlib import contextmanager
+from typing import AsyncIterator, Iterator, Sequence as Seq
 
-from engine.rank.backend import select_backend
-from engine.loading.checkpoint import open_checkpoint
 from engine.config import EngineConfig
-from engine.errors import ConfigError, InvalidRequestError, NumericalError, RankFailure
+from engine.driver.engine_core import EngineCore
 from engine.driver.executor import make_executors
-from engine.driver.prompts import Prompt, PromptLimits, as_prompt_list, prompt_token_ids
 from engine.driver.outputs import GenerateOutput, PrefillOutput
-from engine.driver.sampling_params import SamplingParams
+from engine.driver.prompts import Prompt, PromptLimits, as_prompt_list, prompt_token_ids
 from engine.driver.replica import Replica, StepTiming
+from engine.driver.sampling_params import SamplingParams
 from engine.driver.sequence import Sequence
+from engine.errors import InvalidRequestError
+from engine.loading.checkpoint import open_checkpoint
 from engine.loading.tokenizer import load_tokenizer
-from parallel.partition import partition_heads
+from engine.plan import RankInfo, make_plan
 
 log = logging.getLogger("engine")
 
@@ -29,57 +36,66 @@ class LLM:
         ckpt = open_checkpoint(model)
         self.model_config = mc = ckpt.config
         self.tokenizer = load_tokenizer(ckpt)
-        try:
-            partition_heads(mc.num_heads, mc.num_kv_heads, cfg.tp)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-        select_backend(cfg.attention_backend, cfg.device)  # a bad choice fails here, not in a rank
-        self.max_model_len = cfg.max_model_len or mc.max_position_embeddings
-        if self.max_model_len > mc.max_position_embeddings:
-            raise ConfigError(f"max_model_len={cfg.max_model_len} exceeds the model's context of "
-                              f"{mc.max_position_embeddings} tokens; use at most that")
-        self._checkpoint = ckpt
-        # one step at a time; threads that submit together are batched into the same steps
-        self._lock = threading.RLock()
-        self._failure: str | None = None
-        self.replicas: list[Replica] = []
-        self._start()
+        self.plan = plan = make_plan(cfg, model, mc)
+        self.max_model_len = plan.max_model_len
+        self._limits = PromptLimits(model, mc.vocab_size, plan.max_model_len, plan.block_size,
+                                    plan.num_blocks)
+        # the core never refers back to this object, so an LLM dropped without shutdown() is
+        # collected, and the finalizer releases its actors and placement groups
+        self._core = EngineCore(
+            lambda: [Replica(plan, cfg, ex) for ex in make_executors(plan, cfg, ckpt)],
+            cfg.retry_on_rank_failure)
+        self._finalizer = weakref.finalize(self, self._core.shutdown)
+        log.info("KV cache: %d blocks of %d tokens per rank, %d replica(s) of tp=%d",
+                 plan.num_blocks, cfg.block_size, cfg.dp, cfg.tp)
 
-    def _start(self) -> None:
-        cfg, mc = self.config, self.model_config
-        self.replicas = [Replica(cfg, ex, self.max_model_len, mc.eos_token_ids)
-                         for ex in make_executors(cfg, self._checkpoint)]
-        self.rank_info = self.replicas[0].rank_info
-        self._failure = None
-        bm = self.replicas[0].block_manager
-        log.info("KV cache: %d blocks of %d tokens (%d tokens) per rank, %d replica(s) of tp=%d",
-                 bm.num_blocks, cfg.block_size, bm.num_blocks * cfg.block_size, cfg.dp, cfg.tp)
+    # ---- requests ----------------------------------------------------------------------------
 
-    def restart(self) -> None:
-        """Tear every rank down and start the groups afresh, e.g. after a RankFailure."""
-        with self._lock:
-            self.shutdown()
-            self._start()
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        """The prompt's token ids, checked exactly as a request's would be."""
+        return prompt_token_ids(prompt, self.tokenizer, self._limits)
 
-    # ---- public API -------------------------------------------------------------------------
-
-    def prefill(self, prompts: Prompt | Seq[Prompt]) -> list[PrefillOutput]:
-        """One forward pass per prompt; the first token and the last position's logits."""
-        seqs = self._submit(prompts, SamplingParams(max_tokens=1), keep_first_logits=True)
-        self._run(seqs)
+    def prefill(self, prompts: Prompt | Seq[Prompt],
+                params: SamplingParams | None = None) -> list[PrefillOutput]:
+        """One forward pass per prompt; the first token (chosen by `params`, greedy by default)
+        and the last position's logits."""
+        first = dataclasses.replace(params or SamplingParams(), max_tokens=1)
+        seqs = self._run(self._sequences(prompts, first, keep_first_logits=True))
         return [PrefillOutput(s.prompt_token_ids, s.output_token_ids[0],
                               self._text([s.output_token_ids[0]]), s.first_logits,
                               s.first_token_time - s.arrival_time, s.num_cached_tokens,
-                              s.kv_block_table)
-                for s in seqs]
+                              s.kv_block_table) for s in seqs]
 
     def generate(self, prompts: Prompt | Seq[Prompt],
                  params: SamplingParams | None = None) -> list[GenerateOutput]:
-        seqs = self._submit(prompts, params or SamplingParams())
-        self._run(seqs)
-        return [GenerateOutput(s.prompt_token_ids, s.output_token_ids,
-                               self._text(s.output_token_ids), s.first_token_time - s.arrival_time,
-                               s.num_cached_tokens, s.finish_reason) for s in seqs]
+        return [self._output(s) for s in self._run(self._sequences(prompts, params))]
+
+    async def generate_async(self, prompt: Prompt,
+                             params: SamplingParams | None = None) -> GenerateOutput:
+        """One request on the same step loop; cancelling the task frees its blocks."""
+        [seq] = self._sequences([prompt], params)
+        self._core.submit([seq])
+        try:
+            return self._output(await asyncio.wrap_future(seq.future))
+        except asyncio.CancelledError:
+            self._core.cancel(seq)
+            raise
+
+    async def stream(self, prompt: Prompt,
+                     params: SamplingParams | None = None) -> AsyncIterator[int]:
+        """Each generated token id as soon as its step ends."""
+        [seq] = self._sequences([prompt], params)
+        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+        seq.on_token = lambda token: loop.call_soon_threadsafe(queue.put_nowait, token)
+        seq.future.add_done_callback(lambda _: loop.call_soon_threadsafe(queue.put_nowait, None))
+        self._core.submit([seq])
+        try:
+            while (token := await queue.get()) is not None:
+                yield token
+            seq.future.result()  # a failed request raises here, after its last token
+        finally:
+            if not seq.future.done():
+                self._core.cancel(seq)
 
     def walkthrough(self, prompt: Prompt, hardware: str = "cpu-measured", decode_tokens: int = 8,
                     top_k: int = 5):
@@ -91,34 +107,72 @@ class LLM:
         hw = lookup(hardware, self.config.device, self.config.torch_dtype)
         return run_walkthrough(self, prompt, hw, decode_tokens, top_k)
 
-    def read_kv(self, layer: int, block_table: list[int], length: int,
-                replica: int = 0) -> list[tuple]:
-        """Each rank's (K, V) of `length` positions stored in `block_table`, [length, kv heads, d]."""
-        return self.replicas[replica].executor.call("read_kv", layer, block_table, length)
+    # ---- inspection --------------------------------------------------------------------------
 
-    def cache_stats(self) -> dict:
-        """Per replica: blocks used/free, prefix-cache hits, preemptions, per-rank KV bytes."""
-        out = []
-        for r in self.replicas:
-            stats = r.block_manager.stats()
-            stats["kv_bytes_per_token_per_rank"] = [i["kv_bytes_per_token"] for i in r.rank_info]
-            stats["kv_cache_bytes_per_rank"] = [i["kv_cache_bytes"] for i in r.rank_info]
-            stats["preemptions"] = r.scheduler.num_preemptions
-            out.append(stats)
-        return {"replicas": out, **out[0]} if len(out) == 1 else {"replicas": out}
+    def rank_info(self, replica: int = 0) -> list[RankInfo]:
+        """Each rank of a replica: its heads, FFN and vocabulary slices, weight and KV bytes."""
+        return list(self._replica(replica).rank_info)
 
-    def step_timings(self, replica: int = 0) -> list[StepTiming]:
-        return list(self.replicas[replica].steps)
+    def rank_pids(self) -> list[list[int]]:
+        """The process id of every rank, per replica (the driver's own for an in-process rank)."""
+        return [[i.pid for i in r.rank_info] for r in self._core.replicas]
+
+    def rank_memory(self) -> list[list[dict]]:
+        """Each rank's resident (CPU) or peak allocated (CUDA) bytes, per replica."""
+        return self._core.call(lambda: [r.executor.memory() for r in self._core.replicas])
 
     def placement(self) -> list[list[tuple[str, str]]]:
         """(node ip, node id) of every rank, per replica."""
-        return [list(zip(r.executor.node_ips(), r.executor.node_ids())) for r in self.replicas]
+        return [r.executor.node_addresses() for r in self._core.replicas]
+
+    def step_timings(self, replica: int = 0) -> list[StepTiming]:
+        return self._core.call(lambda: list(self._replica(replica).steps))
+
+    def cache_stats(self) -> dict:
+        """Per replica: blocks used/free, prefix-cache hits, preemptions, per-rank KV bytes."""
+        out = self._core.call(lambda: [_replica_stats(r) for r in self._core.replicas])
+        return {"replicas": out, **out[0]} if len(out) == 1 else {"replicas": out}
+
+    def read_kv(self, layer: int, block_table: list[int], length: int,
+                replica: int = 0) -> list[tuple]:
+        """Each rank's (K, V) of `length` positions stored in `block_table`, [length, kv heads, d]."""
+        return self._core.call(
+            lambda: self._replica(replica).executor.read_kv(layer, block_table, length))
+
+    @contextmanager
+    def tracing(self) -> Iterator[list[dict]]:
+        """Record every op every rank runs inside the block: the list fills when it ends."""
+        records: list[dict] = []
+        self._core.call(lambda: [r.executor.start_tracing() for r in self._core.replicas])
+        try:
+            yield records
+        finally:
+            per_rank = self._core.call(
+                lambda: [rec for r in self._core.replicas for rank in r.executor.stop_tracing()
+                         for rec in rank])
+            records.extend(per_rank)
+
+    @contextmanager
+    def prefix_caching(self, enabled: bool) -> Iterator[None]:
+        """Serve and record prefix-cache hits, or not, for every request inside the block."""
+        managers = self._core.call(lambda: [r.block_manager for r in self._core.replicas])
+        saved = [bm.enable_prefix_caching for bm in managers]
+        self._core.call(lambda: [setattr(bm, "enable_prefix_caching", enabled) for bm in managers])
+        try:
+            yield
+        finally:
+            self._core.call(lambda: [setattr(bm, "enable_prefix_caching", s)
+                                     for bm, s in zip(managers, saved)])
+
+    # ---- lifetime ----------------------------------------------------------------------------
+
+    def restart(self) -> None:
+        """Tear every rank down and start the groups afresh, e.g. after a RankFailure. Requests
+        in flight fail with a clear error."""
+        self._core.restart()
 
     def shutdown(self) -> None:
-        with self._lock:
-            for r in self.replicas:
-                r.executor.shutdown()
-            self.replicas = []
+        self._core.shutdown()
 
     def __enter__(self) -> "LLM":
         return self
@@ -126,79 +180,46 @@ class LLM:
     def __exit__(self, *exc) -> None:
         self.shutdown()
 
-    # ---- internals --------------------------------------------------------------------------
+    # ---- internals ---------------------------------------------------------------------------
+
+    def _replica(self, index: int) -> Replica:
+        if not self._core.replicas:
+            raise InvalidRequestError("this LLM was shut down; call restart() or create a new one")
+        return self._core.replicas[index]
 
     def _text(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids) if self.tokenizer else ""
 
-    def _submit(self, prompts, params: SamplingParams, keep_first_logits: bool = False) -> list[Sequence]:
-        if not self.replicas:
-            raise InvalidRequestError("this LLM was shut down; call restart() or create a new one")
-        token_lists = [self._tokens(p) for p in as_prompt_list(prompts)]
-        seqs = [Sequence(t, params, keep_first_logits=keep_first_logits) for t in token_lists]
-        with self._lock:
-            if self._failure is not None:
-                raise RankFailure(f"{self._failure}; call restart() or create a new LLM")
-            self._add(seqs)
+    def _output(self, s: Sequence) -> GenerateOutput:
+        return GenerateOutput(s.prompt_token_ids, s.output_token_ids, self._text(s.output_token_ids),
+                              s.first_token_time - s.arrival_time, s.num_cached_tokens,
+                              s.finish_reason)
+
+    def _sequences(self, prompts, params: SamplingParams | None,
+                   keep_first_logits: bool = False) -> list[Sequence]:
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}")
+        return [Sequence(self.tokenize(p), params, keep_first_logits=keep_first_logits)
+                for p in as_prompt_list(prompts)]
+
+    def _run(self, seqs: list[Sequence]) -> list[Sequence]:
+        """Submit, then wait for every request; the first failure is raised once all are done."""
+        self._core.submit(seqs)
+        try:
+            concurrent.futures.wait([s.future for s in seqs])
+        except BaseException:  # e.g. Ctrl-C: the requests must not run on without a reader
+            for seq in seqs:
+                self._core.cancel(seq)
+            raise
+        for seq in seqs:
+            seq.future.result()
         return seqs
 
-    def _add(self, seqs: list[Sequence]) -> None:
-        for s in seqs:
-            min(self.replicas, key=lambda r: r.load).scheduler.add(s)
 
-    def _tokens(self, prompt: Prompt) -> list[int]:
-        bm = self.replicas[0].block_manager
-        limits = PromptLimits(self.config.model, self.model_config.vocab_size, self.max_model_len,
-                              bm.block_size, bm.num_blocks)
-        return prompt_token_ids(prompt, self.tokenizer, limits)
-
-    def _run(self, seqs: list[Sequence]) -> None:
-        """Step the engine until every one of `seqs` is done. A rank failure fails them all, or,
-        with retry_on_rank_failure, restarts the groups once and runs them again from scratch."""
-        try:
-            self._drive(seqs)
-        except RankFailure:
-            if not self.config.retry_on_rank_failure:
-                raise
-            with self._lock:
-                if self._failure is not None:  # the first thread here restarts for everyone
-                    log.warning("restarting the rank groups after: %s", self._failure)
-                    self.restart()
-                for seq in seqs:
-                    seq.reset()
-                self._add(seqs)
-            self._drive(seqs)
-        bad = [s for s in seqs if s.finish_reason == "nonfinite"]
-        if bad:
-            raise NumericalError(
-                f"{len(bad)} request(s) gave NaN/Inf logits (prompt lengths "
-                f"{[s.num_prompt_tokens for s in bad]}): the weights or dtype overflow; try "
-                f"dtype='float32'. Other requests are unaffected")
-
-    def _drive(self, seqs: list[Sequence]) -> None:
-        while True:
-            with self._lock:
-                if any(s.finish_reason == "rank failure" for s in seqs):
-                    # another thread's step found the dead rank (and may have restarted since)
-                    raise RankFailure(self._failure or "a rank failed while this request ran")
-                if all(s.finish_reason is not None for s in seqs):
-                    return
-                try:
-                    self._step()
-                except RankFailure as e:
-                    self._failure = str(e)
-                    for r in self.replicas:  # every request in flight shares the broken group
-                        r.scheduler.abort(list(r.scheduler.waiting) + r.scheduler.running,
-                                          "rank failure")
-                    raise
-                except BaseException:
-                    for r in self.replicas:
-                        r.scheduler.abort([s for s in seqs if s.finish_reason is None])
-                    raise
-
-    def _step(self) -> None:
-        """One step on every replica with work; the replicas run concurrently."""
-        launched = [(r, r.launch()) for r in self.replicas]
-        for replica, handle in launched:
-            if handle is not None:
-                replica.finish(handle)
+def _replica_stats(r: Replica) -> dict:
+    stats = r.block_manager.stats()
+    stats["kv_bytes_per_token_per_rank"] = [i.kv_bytes_per_token for i in r.rank_info]
+    stats["kv_cache_bytes_per_rank"] = [i.kv_cache_bytes for i in r.rank_info]
+    stats["preemptions"] = r.scheduler.num_preemptions
+    return stats

@@ -17,14 +17,10 @@ from engine import SamplingParams
 from engine.loading.checkpoint import resolve_model
 from engine.observe.costs import forward_flops
 from engine.observe.hardware import hardware
+from engine.loading.synthetic import random_token_ids
 from launcher.common import CONF_DIR, llm_from_config
 
 
-def random_prompt(n: int, vocab: int, seed: int) -> list[int]:
-    """n token ids drawn from the vocabulary (past the first few special ids), reproducibly."""
-    import torch
-
-    return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def _best_ttft(llm, ids: list[int], repeats: int) -> float:
@@ -50,8 +46,7 @@ def _per_node(llm) -> dict:
     """Ranks and resident memory per node (keyed by address and Ray node id: several nodes
     may share one address, as in a test cluster on one machine)."""
     nodes: dict[str, dict] = {}
-    for replica, ranks in enumerate(llm.placement()):
-        memory = llm.replicas[replica].executor.call("memory")
+    for ranks, memory in zip(llm.placement(), llm.rank_memory()):
         for (ip, node_id), mem in zip(ranks, memory):
             key = ip if node_id == "local" else f"{ip} {node_id[:8]}"
             node = nodes.setdefault(key, {"ranks": 0, "resident_bytes": 0})
@@ -65,7 +60,7 @@ def measure(cfg: DictConfig) -> dict:
         cfg.engine.max_num_batched_tokens = max(cfg.engine.max_num_batched_tokens, cfg.prompt_len)
     with llm_from_config(cfg) as llm:
         mc, hw = llm.model_config, hardware(cfg.hardware, llm.config.device, llm.config.torch_dtype)
-        ids = random_prompt(cfg.prompt_len, mc.vocab_size, seed=cfg.prompt_len)
+        ids = random_token_ids(cfg.prompt_len, mc.vocab_size, seed=cfg.prompt_len)
         llm.prefill([ids[:8]])  # warm-up
         ttft = _best_ttft(llm, ids, cfg.repeats)
         start = time.perf_counter()
@@ -81,7 +76,8 @@ def measure(cfg: DictConfig) -> dict:
             "hardware": hw.name, "decode_tok_s": (cfg.decode_tokens - 1) / decode_s,
             "transformers_ttft_s": baseline,
             "speedup_vs_transformers": baseline / ttft if baseline else None,
-            "ranks": [{k: i[k] for k in ("rank", "weight_bytes", "kv_cache_bytes")} for i in llm.rank_info],
+            "ranks": [{"rank": i.rank, "weight_bytes": i.weight_bytes,
+                       "kv_cache_bytes": i.kv_cache_bytes} for i in llm.rank_info()],
             "nodes": _per_node(llm), "time": time.strftime("%Y-%m-%d %H:%M:%S"),
         }
 

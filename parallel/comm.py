@@ -13,11 +13,10 @@ import time
 import torch
 import torch.distributed as dist
 
-from parallel.trace import TRACER, nbytes, shape
 
 
 def backend_for(device: str) -> str:
-    return "nccl" if device.startswith("cuda") else "gloo"
+    return "nccl" if is_cuda(device) else "gloo"
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -45,21 +44,24 @@ def init_process_group(master_addr: str, master_port: int, rank: int, world_size
         raise RuntimeError(f"warm-up all-reduce gave {probe.item()}, expected {world_size}")
 
 
-class _CollectiveClock:
-    """Host time spent inside collectives since the last reset (exact on CPU; on CUDA it counts
-    only the launch unless the caller synchronizes)."""
+class CollectiveClock:
+    """Host seconds spent inside collectives in this process, only ever growing: a caller reads
+    it before and after a step and takes the difference (exact on CPU; on CUDA it counts only
+    the launch unless the caller synchronizes)."""
 
-    seconds = 0.0
+    def __init__(self) -> None:
+        self.seconds = 0.0
 
-    @classmethod
-    def take(cls) -> float:
-        spent, cls.seconds = cls.seconds, 0.0
-        return spent
+    def add_since(self, start: float) -> None:
+        self.seconds += time.perf_counter() - start
 
 
-def collective_seconds() -> float:
-    """Seconds spent in collectives since the previous call."""
-    return _CollectiveClock.take()
+CLOCK = CollectiveClock()  # one per process, i.e. one per rank
+
+
+def is_cuda(device: str | torch.device) -> bool:
+    """The one test of "does this run on a GPU" that the whole code base uses."""
+    return str(device).startswith("cuda")
 
 
 def world_size() -> int:
@@ -74,17 +76,9 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum over ranks, in place. A no-op for a world of one."""
     if world_size() > 1:
         start = time.perf_counter()
-        with TRACER.op("all_reduce", lambda: _all_reduce_cost(x), x.device):
-            dist.all_reduce(x)
-        _CollectiveClock.seconds += time.perf_counter() - start
+        dist.all_reduce(x)
+        CLOCK.add_since(start)
     return x
-
-
-def _all_reduce_cost(x: torch.Tensor) -> tuple[str, int, int]:
-    """Ring all-reduce of n elements over w ranks: each rank does (w-1)·n/w additions and sends
-    and receives 2(w-1)/w of the tensor's bytes."""
-    w, n = world_size(), x.numel()
-    return shape(x), (w - 1) * n // w, 2 * (w - 1) * n * x.element_size() // w
 
 
 def gather_last_dim(x: torch.Tensor, sizes: list[int]) -> torch.Tensor | None:
@@ -99,17 +93,11 @@ def gather_last_dim(x: torch.Tensor, sizes: list[int]) -> torch.Tensor | None:
     padded = torch.nn.functional.pad(x, (0, width - x.shape[-1])).contiguous()
     parts = [torch.empty_like(padded) for _ in sizes] if rank() == 0 else None
     start = time.perf_counter()
-    with TRACER.op("gather_logits", lambda: _gather_cost(padded, len(sizes)), x.device):
-        dist.gather(padded, parts, dst=0)
-    _CollectiveClock.seconds += time.perf_counter() - start
+    dist.gather(padded, parts, dst=0)
+    CLOCK.add_since(start)
     if rank() != 0:
         return None
     return torch.cat([p[..., :n] for p, n in zip(parts, sizes)], dim=-1)
-
-
-def _gather_cost(part: torch.Tensor, parts: int) -> tuple[str, int, int]:
-    """Rank 0 receives every rank's slice; the others send one."""
-    return shape(part), 0, nbytes(part) * (parts if rank() == 0 else 1)
 
 
 def destroy() -> None:

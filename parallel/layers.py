@@ -1,5 +1,9 @@
 """Tensor-parallel layers. Each owns the slice of its weight that this rank holds and reads
-only that slice from the checkpoint, through a `TensorReader` that knows nothing of formats."""
+only that slice from the checkpoint, through a `TensorReader` that knows nothing of formats.
+
+Collectives are modules of their own (`AllReduce`, `GatherToRankZero`), so anything observing
+the model from outside (forward hooks) sees each one as a separate op.
+"""
 from __future__ import annotations
 
 from typing import Callable, Sequence
@@ -9,8 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from parallel import comm
-from parallel.trace import TRACER, linear_cost, nbytes, shape
-from parallel.partition import HeadPartition, Range, scale
+from parallel.partition import HeadPartition, Range, range_times
 
 # (name, dim, start, stop) -> that slice of the named checkpoint tensor; dim None reads it whole.
 TensorReader = Callable[[str, int | None, int, int], torch.Tensor]
@@ -23,6 +26,28 @@ def copy_checked(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
     param.data.copy_(value)
 
 
+def _frozen(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+class AllReduce(nn.Module):
+    """Sum over ranks, in place; nothing to do for a world of one."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return comm.all_reduce(x)
+
+
+class GatherToRankZero(nn.Module):
+    """Every rank's slice of the last dim, concatenated on rank 0 (None on the others)."""
+
+    def __init__(self, sizes: Sequence[int]):
+        super().__init__()
+        self.sizes = list(sizes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor | None:
+        return comm.gather_last_dim(x, self.sizes)
+
+
 class ColumnParallelLinear(nn.Module):
     """y = x Wᵀ with W's output rows split over ranks; no communication.
 
@@ -30,14 +55,12 @@ class ColumnParallelLinear(nn.Module):
     rank's row range of the i-th tensor, and the local weight is their concatenation.
     """
 
-    def __init__(self, in_features: int, out_slices: Sequence[Range], bias: bool = False,
-                 trace_name: str = "column_linear"):
+    def __init__(self, in_features: int, out_slices: Sequence[Range], bias: bool = False):
         super().__init__()
-        self.trace_name = trace_name
         self.out_slices = list(out_slices)
         out = sum(b - a for a, b in self.out_slices)
-        self.weight = nn.Parameter(torch.empty(out, in_features), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(out), requires_grad=False) if bias else None
+        self.weight = _frozen(out, in_features)
+        self.bias = _frozen(out) if bias else None
 
     def load(self, read: TensorReader, names: Sequence[str]) -> None:
         rows = [read(f"{n}.weight", 0, a, b) for n, (a, b) in zip(names, self.out_slices)]
@@ -47,16 +70,15 @@ class ColumnParallelLinear(nn.Module):
             copy_checked(self.bias, torch.cat(parts), f"{names[0]}.bias")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with TRACER.op(self.trace_name, lambda: linear_cost(x, self.weight, self.bias), x.device):
-            return F.linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
     """Fused q/k/v projection holding this rank's query heads and the KV heads they read."""
 
     def __init__(self, hidden: int, head_dim: int, heads: HeadPartition, bias: bool):
-        kv = scale(heads.kv_heads, head_dim)
-        super().__init__(hidden, [scale(heads.q_heads, head_dim), kv, kv], bias, "qkv_proj")
+        kv = range_times(heads.kv_heads, head_dim)
+        super().__init__(hidden, [range_times(heads.q_heads, head_dim), kv, kv], bias)
         self.q_size = heads.num_q_heads * head_dim
         self.kv_size = heads.num_kv_heads * head_dim
 
@@ -67,14 +89,12 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(nn.Module):
     """y = x Wᵀ with W's input columns split over ranks, then a sum over ranks (all-reduce)."""
 
-    def __init__(self, in_slice: Range, out_features: int, bias: bool = False,
-                 trace_name: str = "row_linear"):
+    def __init__(self, in_slice: Range, out_features: int, bias: bool = False):
         super().__init__()
-        self.trace_name = trace_name
         self.in_slice = in_slice
-        self.weight = nn.Parameter(torch.empty(out_features, in_slice[1] - in_slice[0]),
-                                   requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.weight = _frozen(out_features, in_slice[1] - in_slice[0])
+        self.bias = _frozen(out_features) if bias else None
+        self.all_reduce = AllReduce()
 
     def load(self, read: TensorReader, name: str) -> None:
         copy_checked(self.weight, read(f"{name}.weight", 1, *self.in_slice), f"{name}.weight")
@@ -82,9 +102,7 @@ class RowParallelLinear(nn.Module):
             copy_checked(self.bias, read(f"{name}.bias", None, 0, 0), f"{name}.bias")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with TRACER.op(self.trace_name, lambda: linear_cost(x, self.weight), x.device):
-            partial = F.linear(x, self.weight)
-        y = comm.all_reduce(partial)
+        y = self.all_reduce(F.linear(x, self.weight))
         return y if self.bias is None else y + self.bias
 
 
@@ -95,29 +113,19 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, vocab_slice: Range, hidden: int):
         super().__init__()
         self.vocab_slice = vocab_slice
-        self.weight = nn.Parameter(torch.empty(vocab_slice[1] - vocab_slice[0], hidden),
-                                   requires_grad=False)
+        self.weight = _frozen(vocab_slice[1] - vocab_slice[0], hidden)
+        self.all_reduce = AllReduce()
 
     def load(self, read: TensorReader, name: str) -> None:
         copy_checked(self.weight, read(f"{name}.weight", 0, *self.vocab_slice), f"{name}.weight")
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        with TRACER.op("embedding", lambda: self._cost(ids), ids.device):
-            rows = self._lookup(ids)
-        return comm.all_reduce(rows) if comm.world_size() > 1 else rows
-
-    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        start, stop = self.vocab_slice
         if comm.world_size() == 1:
             return F.embedding(ids, self.weight)
+        start, stop = self.vocab_slice
         inside = (ids >= start) & (ids < stop)
-        return F.embedding((ids - start) * inside, self.weight) * inside.unsqueeze(-1)
-
-    def _cost(self, ids: torch.Tensor) -> tuple[str, int, int]:
-        """A gather: no FLOPs; reads the ids and one row per token, writes [T, d]."""
-        row_bytes = self.weight.shape[1] * self.weight.element_size()
-        return (f"{shape(ids)} -> {shape((len(ids), self.weight.shape[1]))}", 0,
-                nbytes(ids) + 2 * len(ids) * row_bytes)
+        rows = F.embedding((ids - start) * inside, self.weight) * inside.unsqueeze(-1)
+        return self.all_reduce(rows)
 
 
 class ParallelLMHead(nn.Module):
@@ -132,8 +140,8 @@ class ParallelLMHead(nn.Module):
         if tied_to is not None:
             self.weight = tied_to.weight  # same rows, same memory
         else:
-            rows = self.vocab_slice[1] - self.vocab_slice[0]
-            self.weight = nn.Parameter(torch.empty(rows, hidden), requires_grad=False)
+            self.weight = _frozen(self.vocab_slice[1] - self.vocab_slice[0], hidden)
+        self.gather = GatherToRankZero([b - a for a, b in self.vocab_ranges])
 
     def load(self, read: TensorReader, name: str) -> None:
         if not self.tied:
@@ -141,6 +149,4 @@ class ParallelLMHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden: [n, d] for the positions that need logits only. Returns [n, vocab] on rank 0."""
-        with TRACER.op("lm_head", lambda: linear_cost(hidden, self.weight), hidden.device):
-            local = F.linear(hidden, self.weight)
-        return comm.gather_last_dim(local, [b - a for a, b in self.vocab_ranges])
+        return self.gather(F.linear(hidden, self.weight))

@@ -17,7 +17,8 @@ def even_ranges(n: int, world_size: int) -> list[Range]:
     return ranges
 
 
-def scale(r: Range, factor: int) -> Range:
+def range_times(r: Range, factor: int) -> Range:
+    """[a, b) -> [a·factor, b·factor): heads to rows of their weights, KV groups to query heads."""
     return r[0] * factor, r[1] * factor
 
 
@@ -61,7 +62,7 @@ def partition_heads(num_heads: int, num_kv_heads: int, world_size: int) -> list[
     group = num_heads // num_kv_heads
     if world_size <= num_kv_heads:
         kv = even_ranges(num_kv_heads, world_size)
-        return [HeadPartition(scale(r, group), r, group) for r in kv]
+        return [HeadPartition(range_times(r, group), r, group) for r in kv]
     parts = []
     for q0, q1 in even_ranges(num_heads, world_size):
         parts.append(HeadPartition((q0, q1), (q0 // group, (q1 - 1) // group + 1), group))

@@ -4,7 +4,8 @@ The group knows nothing of any model: it places `world_size` actors, makes them 
 group, then builds `worker_factory(*args, rank=r, world_size=n, **kwargs)` inside each actor and
 runs named methods of those workers on every rank at once (SPMD).
 
-Every wait is bounded, so a dead or stuck rank becomes a `RankGroupError` instead of a hang:
+Every wait is bounded, so a dead or stuck rank becomes a `RankGroupError` (or the error type the
+caller names in `GroupOptions.error`) instead of a hang:
 - constructing: placement, joining the process group (with its warm-up all-reduce) and building the
   workers are each bounded by `init_timeout_s`; any failure tears the group down;
 - `call`: bounded by `step_timeout_s`. A dead actor or a timeout tears the group down (the other
@@ -50,6 +51,8 @@ class GroupOptions:
     placement_strategy: str = "STRICT_PACK"   # one TP group packed on one node
     placement_group: object | None = None     # an existing ray PlacementGroup, left to its owner
     node_id: str | None = None                # pin every rank to this Ray node
+    # How a broken group is reported: the caller's own exception type, built from the message.
+    error: Callable[[str], Exception] = field(default=lambda message: RankGroupError(message))
 
 
 class RankGroupError(RuntimeError):
@@ -90,11 +93,16 @@ class _RankActor:
         return getattr(self._worker, method)(*args, **kwargs)
 
     def close(self) -> None:
-        try:
-            if hasattr(self._worker, "close"):
-                self._worker.close()
-        finally:
-            comm.destroy()
+        self._worker = None
+        comm.destroy()
+
+
+@dataclass(frozen=True, slots=True)
+class PendingCall:
+    """A method started on every rank whose results have not been collected yet."""
+
+    method: str
+    refs: list[ray.ObjectRef]
 
 
 @dataclass(slots=True)
@@ -186,23 +194,24 @@ class RankGroup:
     def pids(self) -> list[int]:
         return list(self._pids)
 
-    def call_async(self, method: str, *args: Any, **kwargs: Any) -> list[ray.ObjectRef]:
-        """Start `worker.method(*args, **kwargs)` on every rank; one ref per rank, in rank order.
+    def launch(self, method: str, *args: Any, **kwargs: Any) -> PendingCall:
+        """Start `worker.method(*args, **kwargs)` on every rank without waiting.
 
         The arguments are serialized once into the object store and every rank reads that copy.
         """
         if not self._actors:
-            raise RankGroupError("the rank group is shut down; create a new one")
+            raise self._options.error("the rank group is shut down; create a new one")
         payload = ray.put((args, kwargs))
-        return [actor.invoke.remote(method, payload) for actor in self._actors]
+        return PendingCall(method, [actor.invoke.remote(method, payload) for actor in self._actors])
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> list:
         """Run `worker.method(*args, **kwargs)` on every rank; the results in rank order."""
-        return self.collect(method, self.call_async(method, *args, **kwargs))
+        return self.collect(self.launch(method, *args, **kwargs))
 
-    def collect(self, method: str, refs: list[ray.ObjectRef]) -> list:
-        """The results of a `call_async`, in rank order, waiting at most `step_timeout_s`."""
-        out = _gather(refs, self._options.step_timeout_s)
+    def collect(self, pending: PendingCall) -> list:
+        """The results of a `launch`, in rank order, waiting at most `step_timeout_s`."""
+        method = pending.method
+        out = _gather(pending.refs, self._options.step_timeout_s)
         failure = out.failure()
         if failure is None:
             return out.results
@@ -214,7 +223,7 @@ class RankGroup:
             # Ray raises the worker's exception as a subclass of its own type: callers can catch it.
             raise out.raised[0]
         rank, why = failure
-        raise RankGroupError(f"rank {rank} (node {self._ips[rank]}) failed in {method}() while "
+        raise self._options.error(f"rank {rank} (node {self._ips[rank]}) failed in {method}() while "
                              f"other ranks did not: {why}. Their states may differ: shut the "
                              f"group down")
 
@@ -230,7 +239,7 @@ class RankGroup:
 
     def _place(self) -> None:
         opts = self._options
-        bundle = {"GPU": 1, "CPU": 1} if _on_cuda(opts.device) else {"CPU": 1}
+        bundle = {"GPU": 1, "CPU": 1} if comm.is_cuda(opts.device) else {"CPU": 1}
         if self._pg is None:
             selector = [{NODE_ID_LABEL_KEY: opts.node_id}] * opts.world_size if opts.node_id else None
             self._pg = placement_group([dict(bundle)] * opts.world_size,
@@ -241,7 +250,7 @@ class RankGroup:
                              f"fewer than world_size={opts.world_size}")
         ready, _ = ray.wait([self._pg.ready()], timeout=opts.init_timeout_s)
         if not ready:
-            raise RankGroupError(_placement_advice(bundle, opts))
+            raise opts.error(_placement_advice(bundle, opts))
 
     def _start_actors(self) -> None:
         opts = self._options
@@ -249,7 +258,7 @@ class RankGroup:
             strategy = PlacementGroupSchedulingStrategy(placement_group=self._pg,
                                                         placement_group_bundle_index=rank)
             self._actors.append(_RankActor.options(
-                num_cpus=1, num_gpus=1 if _on_cuda(opts.device) else 0,
+                num_cpus=1, num_gpus=1 if comm.is_cuda(opts.device) else 0,
                 scheduling_strategy=strategy).remote(dict(opts.env)))
         out = _gather([a.describe.remote() for a in self._actors], opts.init_timeout_s)
         self._check(out, "failed to start its actor")
@@ -291,7 +300,7 @@ class RankGroup:
         rank, why = failure
         node = self._ips[rank] if rank < len(self._ips) else "not yet known"
         self._teardown(graceful=False)
-        raise RankGroupError(f"rank {rank} (node {node}) {context}: {why}. {advice}")
+        raise self._options.error(f"rank {rank} (node {node}) {context}: {why}. {advice}")
 
     def _teardown(self, graceful: bool) -> None:
         actors, self._actors = self._actors, []
@@ -304,10 +313,6 @@ class RankGroup:
         if self._owns_pg and self._pg is not None:
             remove_placement_group(self._pg)
             self._pg = None
-
-
-def _on_cuda(device: str) -> bool:
-    return comm.backend_for(device) == "nccl"
 
 
 def _same_kind(errors: Iterable[RayTaskError]) -> bool:

@@ -11,8 +11,7 @@ PROMPT = "The capital of France is Paris. The capital of Germany is"
 GREEDY_STEPS = 32
 
 
-def _random_ids(n: int, vocab: int, seed: int) -> list[int]:
-    return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+from engine.loading.synthetic import random_token_ids as _random_ids
 
 
 def _assert_kv_matches(llm: LLM, out, ref_kv) -> None:

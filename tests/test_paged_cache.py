@@ -6,14 +6,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from engine import LLM
+from engine import SamplingParams
+from engine.loading.synthetic import random_token_ids
 
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 BYTES_PER_BLOCK = 2 * 2 * 2 * 16 * 4 * 16  # k+v, 2 layers, 2 KV heads, head dim 16, fp32, 16 slots
 
 
 def _ids(n: int, seed: int) -> list[int]:
-    return torch.randint(3, 311, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return random_token_ids(n, 311, seed)
 
 
 PROMPTS = [_ids(n, seed=n) for n in (37, 5, 64, 1, 23)]
@@ -96,7 +98,8 @@ def test_prefix_cache_hit_matches_empty_cache(model_path, alone, tp):
 def test_small_pool_evicts_and_preempts_without_changing_answers(model_path, alone, tp):
     # 8 blocks of 16 slots: not enough for all five prompts plus their decodes at once. The
     # budget is per rank, and at TP=2 a rank holds one of the two KV heads.
-    with LLM(model_path, tp=tp, kv_cache_gb=8 * BYTES_PER_BLOCK / tp / 2**30) as llm:
+    with LLM(model_path, tp=tp, kv_cache_gb=8 * BYTES_PER_BLOCK / tp / 2**30,
+             max_model_len=128) as llm:  # the pool must hold one request of max_model_len
         assert llm.cache_stats()["blocks_total"] == 8
         for _ in range(2):
             for ids, g in zip(PROMPTS, llm.generate(PROMPTS, GREEDY)):
@@ -107,7 +110,7 @@ def test_small_pool_evicts_and_preempts_without_changing_answers(model_path, alo
 
 def test_forced_hash_collisions_are_never_served(model_path, alone):
     with LLM(model_path) as llm:
-        llm.replicas[0].block_manager.hash_fn = lambda parent, tokens: 42  # every block collides
+        llm._core.replicas[0].block_manager.hash_fn = lambda parent, tokens: 42  # every block collides
         first, second = SHARED + [7, 8, 9], SHARED + _ids(20, seed=5)
         llm.prefill([first])
         [b] = llm.prefill([second])

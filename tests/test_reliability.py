@@ -46,7 +46,7 @@ def _wait_gone(pids: list[int], timeout: float = 10.0) -> bool:
 def test_dead_rank_fails_fast_and_restart_serves(ray_cluster, model):
     path, expected = model
     with LLM(path, tp=2, step_timeout_s=10) as llm:
-        pids = llm.replicas[0].executor.group.pids()
+        pids = llm.rank_pids()[0]
         os.kill(pids[1], signal.SIGKILL)  # rank 1 dies between requests
         start = time.monotonic()
         with pytest.raises(RankFailure, match="rank 1"):
@@ -62,7 +62,7 @@ def test_dead_rank_fails_fast_and_restart_serves(ray_cluster, model):
 def test_rank_killed_mid_step_is_retried_when_asked(ray_cluster, model):
     path, expected = model
     with LLM(path, tp=2, step_timeout_s=10, retry_on_rank_failure=True) as llm:
-        victim = llm.replicas[0].executor.group.pids()[0]
+        victim = llm.rank_pids()[0][0]
         killer = threading.Timer(0.3, os.kill, (victim, signal.SIGKILL))
         killer.start()  # rank 0 dies while the long generation is running
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=60, ignore_eos=True))
@@ -75,7 +75,7 @@ def test_rank_killed_mid_step_is_retried_when_asked(ray_cluster, model):
 def test_hung_collective_is_caught_by_the_collective_timeout(ray_cluster, model):
     path, expected = model
     with LLM(path, tp=2, step_timeout_s=60, collective_timeout_s=3) as llm:
-        pids = llm.replicas[0].executor.group.pids()
+        pids = llm.rank_pids()[0]
         os.kill(pids[1], signal.SIGSTOP)  # rank 1 freezes: rank 0 waits in its all-reduce
         try:
             start = time.monotonic()
@@ -94,7 +94,7 @@ def test_threads_and_a_tiny_cache_give_everyone_their_own_answer(model):
     path, expected = model
     # 6 blocks of 16 slots for 4 requests of up to 50 tokens: they queue and preempt
     per_block = 2 * 2 * 3 * 12 * 4 * 16
-    with LLM(path, kv_cache_gb=6 * per_block / 2**30) as llm:
+    with LLM(path, kv_cache_gb=6 * per_block / 2**30, max_model_len=96) as llm:
         results: dict[int, list[int]] = {}
         errors: list[BaseException] = []
 

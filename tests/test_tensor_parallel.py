@@ -12,8 +12,7 @@ from parallel.partition import partition_heads
 STEPS = 32
 
 
-def _ids(n: int, vocab: int, seed: int) -> list[int]:
-    return torch.randint(3, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+from engine.loading.synthetic import random_token_ids as _ids
 
 
 def _run(llm: LLM, ids: list[int]) -> dict:
@@ -51,12 +50,12 @@ def uneven(tiny_model_dir):
 def test_uneven_model_matches_single_rank(ray_cluster, uneven, tp):
     path, ids, ref = uneven
     with LLM(path, tp=tp) as llm:
-        assert [i["rank"] for i in llm.rank_info] == list(range(tp))
+        assert [i.rank for i in llm.rank_info()] == list(range(tp))
         assert len(set(ip for ip, _ in llm.placement()[0])) == 1  # one TP group, one node
         _assert_same_as_single_rank(ref, _run(llm, ids), llm)
         # per-rank weight bytes add up to more than nothing and less than a full copy each
-        total = sum(i["weight_bytes"] for i in llm.rank_info)
-        assert all(i["weight_bytes"] < total for i in llm.rank_info)
+        total = sum(i.weight_bytes for i in llm.rank_info())
+        assert all(i.weight_bytes < total for i in llm.rank_info())
 
 
 @pytest.mark.parametrize("tp", [2, 3])

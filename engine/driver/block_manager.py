@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable
 
@@ -147,15 +146,6 @@ class BlockManager:
             del self.cached[block.hash]  # evicted: its contents are about to be overwritten
         block.hash, block.parent_hash, block.token_ids, block.ref_count = None, None, (), 1
         return bid
-
-    @contextmanager
-    def caching_disabled(self):
-        """Neither serve nor record prefix hits inside the block (blocks stay as they are)."""
-        saved, self.enable_prefix_caching = self.enable_prefix_caching, False
-        try:
-            yield
-        finally:
-            self.enable_prefix_caching = saved
 
     def stats(self) -> dict:
         return {"blocks_total": self.num_blocks, "blocks_free": self.num_free_blocks,

@@ -1,102 +1,119 @@
 """How the driver reaches one replica's ranks: the worker in this process (one rank), or one Ray
-actor per rank. Both launch a method on every rank and collect one result per rank."""
+actor per rank. Both run the same `Worker` method on every rank (SPMD); the driver calls the
+typed methods of `Executor` and never names a rank method by string."""
 from __future__ import annotations
 
-from engine.loading.checkpoint import Checkpoint
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from engine.batch import Batch, StepResult
 from engine.config import EngineConfig
 from engine.errors import ConfigError, RankFailure
+from engine.loading.checkpoint import Checkpoint
+from engine.plan import EnginePlan, RankInfo
 from engine.rank.worker import Worker
 
 
-class Executor:
-    """launch(method, *args) starts it on every rank; collect(method, handle) waits for the
-    results, one per rank in rank order."""
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """The in-process executor's "pending" call: it ran at launch."""
 
-    def launch(self, method: str, *args):
-        raise NotImplementedError
+    results: list[Any]
 
-    def collect(self, method: str, handle) -> list:
-        raise NotImplementedError
 
-    def call(self, method: str, *args) -> list:
-        return self.collect(method, self.launch(method, *args))
+class Executor(ABC):
+    @abstractmethod
+    def _launch(self, method: Callable, *args: Any) -> Any:
+        """Start `method` (a Worker method) on every rank; a handle for `_collect`."""
 
-    def node_ips(self) -> list[str]:
-        raise NotImplementedError
+    @abstractmethod
+    def _collect(self, pending: Any) -> list:
+        """Every rank's result of a `_launch`, in rank order (bounded wait)."""
 
-    def node_ids(self) -> list[str]:
-        raise NotImplementedError
+    @abstractmethod
+    def node_addresses(self) -> list[tuple[str, str]]:
+        """(node ip, node id) of every rank."""
 
-    def shutdown(self) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def shutdown(self) -> None: ...
+
+    def _call(self, method: Callable, *args: Any) -> list:
+        return self._collect(self._launch(method, *args))
+
+    def start_step(self, batch: Batch) -> Any:
+        return self._launch(Worker.execute, batch)
+
+    def finish_step(self, pending: Any) -> StepResult:
+        return self._collect(pending)[0]  # rank 0 samples and answers for the group
+
+    def info(self) -> list[RankInfo]:
+        return self._call(Worker.info)
+
+    def read_kv(self, layer: int, block_table: list[int], length: int) -> list[tuple]:
+        return self._call(Worker.read_kv, layer, block_table, length)
+
+    def memory(self) -> list[dict]:
+        return self._call(Worker.memory)
+
+    def start_tracing(self) -> None:
+        self._call(Worker.start_tracing)
+
+    def stop_tracing(self) -> list[list[dict]]:
+        return self._call(Worker.stop_tracing)
 
 
 class InProcessExecutor(Executor):
-    def __init__(self, cfg: EngineConfig, checkpoint: Checkpoint):
-        self.worker = Worker(cfg, checkpoint=checkpoint)
+    def __init__(self, plan: EnginePlan, checkpoint: Checkpoint):
+        self.worker: Worker | None = Worker(plan, checkpoint=checkpoint)
 
-    def launch(self, method: str, *args) -> list:
-        return [getattr(self.worker, method)(*args)]
+    def _launch(self, method: Callable, *args: Any) -> Finished:
+        if self.worker is None:
+            raise RankFailure("this replica was shut down")
+        return Finished([method(self.worker, *args)])
 
-    def collect(self, method: str, handle: list) -> list:
-        return handle
+    def _collect(self, pending: Finished) -> list:
+        return pending.results
 
-    def node_ips(self) -> list[str]:
-        return ["local"]
-
-    def node_ids(self) -> list[str]:
-        return ["local"]
+    def node_addresses(self) -> list[tuple[str, str]]:
+        return [("local", "local")]
 
     def shutdown(self) -> None:
         self.worker = None
 
 
 class RayExecutor(Executor):
-    """`tp` rank actors packed on one node, each building its own `Worker` from the checkpoint."""
+    """`tp` rank actors packed on one node, each building its own `Worker` from the plan; a
+    broken group raises `RankFailure` itself."""
 
-    def __init__(self, cfg: EngineConfig, node_id: str | None):
-        from parallel.rank_group import GroupOptions, RankGroup, RankGroupError
+    def __init__(self, plan: EnginePlan, cfg: EngineConfig, node_id: str | None):
+        from parallel.rank_group import GroupOptions, RankGroup
 
-        self._errors = RankGroupError
+        ifname = cfg.socket_ifname
         options = GroupOptions(world_size=cfg.tp, device=cfg.device,
                                init_timeout_s=cfg.init_timeout_s, step_timeout_s=cfg.step_timeout_s,
                                collective_timeout_s=cfg.collective_timeout_s,
-                               env=_socket_env(cfg.socket_ifname), node_id=node_id)
-        try:
-            self.group = RankGroup(Worker, options, cfg)
-        except RankGroupError as e:
-            raise RankFailure(str(e)) from None
+                               env={"GLOO_SOCKET_IFNAME": ifname, "NCCL_SOCKET_IFNAME": ifname}
+                               if ifname else {}, node_id=node_id, error=RankFailure)
+        self.group = RankGroup(Worker, options, plan)
 
-    def launch(self, method: str, *args) -> list:
-        try:
-            return self.group.call_async(method, *args)
-        except self._errors as e:
-            raise RankFailure(str(e)) from None
+    def _launch(self, method: Callable, *args: Any) -> Any:
+        return self.group.launch(method.__name__, *args)
 
-    def collect(self, method: str, handle: list) -> list:
-        try:
-            return self.group.collect(method, handle)
-        except self._errors as e:
-            raise RankFailure(str(e)) from None
+    def _collect(self, pending: Any) -> list:
+        return self.group.collect(pending)
 
-    def node_ips(self) -> list[str]:
-        return self.group.node_ips()
-
-    def node_ids(self) -> list[str]:
-        return self.group.node_ids()
+    def node_addresses(self) -> list[tuple[str, str]]:
+        return list(zip(self.group.node_ips(), self.group.node_ids()))
 
     def shutdown(self) -> None:
         self.group.shutdown()
 
 
-def _socket_env(ifname: str | None) -> dict[str, str]:
-    return {"GLOO_SOCKET_IFNAME": ifname, "NCCL_SOCKET_IFNAME": ifname} if ifname else {}
-
-
-def make_executors(cfg: EngineConfig, checkpoint: Checkpoint) -> list[Executor]:
+def make_executors(plan: EnginePlan, cfg: EngineConfig, checkpoint: Checkpoint) -> list[Executor]:
     """One executor per data-parallel replica."""
     if cfg.tp == 1 and cfg.dp == 1 and cfg.executor == "auto":
-        return [InProcessExecutor(cfg, checkpoint)]
+        return [InProcessExecutor(plan, checkpoint)]
     from parallel import cluster
 
     cluster.connect(cfg.ray_address)
@@ -107,7 +124,7 @@ def make_executors(cfg: EngineConfig, checkpoint: Checkpoint) -> list[Executor]:
     executors: list[Executor] = []
     try:
         for node in nodes:
-            executors.append(RayExecutor(cfg, node))
+            executors.append(RayExecutor(plan, cfg, node))
     except BaseException:
         for ex in executors:
             ex.shutdown()

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
-from engine.driver.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.driver.block_manager import BlockManager
 from engine.driver.executor import Executor
-from engine.driver.sequence import Sequence
 from engine.driver.scheduler import Scheduler
+from engine.driver.sequence import Sequence
+from engine.plan import EnginePlan
 
 
 @dataclass(slots=True)
@@ -23,6 +25,8 @@ class StepTiming:
     forward_s: float = 0.0  # rank 0 inside the forward pass
     collective_s: float = 0.0  # rank 0 inside all-reduce/gather, part of forward_s
     sample_s: float = 0.0  # rank 0 choosing the next tokens
+    num_tokens: int = 0  # tokens the step ran through the model
+    num_seqs: int = 0
 
     @property
     def overhead_s(self) -> float:
@@ -35,38 +39,55 @@ class StepTiming:
         return self.overhead_s - self.schedule_s
 
 
+@dataclass(slots=True)
+class InFlightStep:
+    """A step launched on the ranks whose result has not come back yet."""
+
+    scheduled: list[tuple[Sequence, int]]
+    started: float
+    schedule_s: float
+    num_tokens: int
+    pending: Any  # the executor's handle
+
+
 class Replica:
-    def __init__(self, cfg: EngineConfig, executor: Executor, max_model_len: int,
-                 eos_token_ids: list[int]):
+    def __init__(self, plan: EnginePlan, cfg: EngineConfig, executor: Executor):
         self.executor = executor
-        self.rank_info = executor.call("info")
-        num_blocks = min(info["num_blocks"] for info in self.rank_info)
-        self.block_manager = BlockManager(num_blocks, cfg.block_size, cfg.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, cfg.max_num_batched_tokens, cfg.max_num_seqs,
-                                   max_model_len, eos_token_ids)
+        self.rank_info = executor.info()
+        self.block_manager = BlockManager(plan.num_blocks, plan.block_size,
+                                          cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, cfg.max_num_batched_tokens,
+                                   cfg.max_num_seqs, plan.max_model_len, plan.model.eos_token_ids)
         self.steps: list[StepTiming] = []
 
     @property
     def load(self) -> int:
         return len(self.scheduler.waiting) + len(self.scheduler.running)
 
-    def launch(self):
+    def launch(self) -> InFlightStep | None:
         """Schedule and start one step on the ranks; None when there is nothing to run."""
         if not self.scheduler.has_work():
             return None
         start = time.perf_counter()
         scheduled = self.scheduler.schedule()
-        if not scheduled:
+        if not scheduled:  # every request waits for blocks that running ones hold: impossible
             raise RuntimeError("scheduler found nothing to run while requests are pending")
         batch = self.scheduler.build_batch(scheduled)
-        scheduled_at = time.perf_counter()
-        return start, scheduled_at - start, scheduled, self.executor.launch("execute", batch)
+        return InFlightStep(scheduled, start, time.perf_counter() - start, batch.num_tokens,
+                            self.executor.start_step(batch))
 
-    def finish(self, launched) -> list[Sequence]:
-        start, schedule_s, scheduled, handle = launched
-        result = self.executor.collect("execute", handle)[0]
-        finished = self.scheduler.postprocess(scheduled, result.token_ids, result.logits,
-                                              set(result.nonfinite_rows))
-        self.steps.append(StepTiming(time.perf_counter() - start, schedule_s, result.forward_s,
-                                     result.collective_s, result.sample_s))
+    def finish(self, step: InFlightStep) -> list[Sequence]:
+        """Wait for the step's result and advance its sequences; those that finished."""
+        result = self.executor.finish_step(step.pending)
+        finished = self.scheduler.postprocess(step.scheduled, result.token_ids, result.logits,
+                                              set(result.nonfinite_rows), result.row_errors)
+        self.steps.append(StepTiming(time.perf_counter() - step.started, step.schedule_s,
+                                     result.forward_s, result.collective_s, result.sample_s,
+                                     step.num_tokens, len(step.scheduled)))
         return finished
+
+    def abort_all(self) -> list[Sequence]:
+        """Forget every request this replica holds (its group broke); they are returned."""
+        seqs = list(self.scheduler.waiting) + list(self.scheduler.running)
+        self.scheduler.abort(seqs)
+        return seqs

@@ -12,7 +12,7 @@ from collections import deque
 
 from engine.batch import Batch
 from engine.driver.block_manager import BlockManager
-from engine.driver.sequence import Sequence, Status
+from engine.driver.sequence import FinishReason, Sequence, Status
 
 
 class Scheduler:
@@ -102,9 +102,10 @@ class Scheduler:
         return batch
 
     def postprocess(self, scheduled: list[tuple[Sequence, int]], token_ids: list[int],
-                    logits=None, nonfinite_rows: set[int] = frozenset()) -> list[Sequence]:
+                    logits=None, nonfinite_rows: set[int] = frozenset(),
+                    row_errors: dict[int, str] | None = None) -> list[Sequence]:
         """Advance every scheduled sequence; returns those that finished."""
-        now, finished, row = time.perf_counter(), [], 0
+        now, finished, row, row_errors = time.perf_counter(), [], 0, row_errors or {}
         for seq, n in scheduled:
             seq.num_computed_tokens += n
             if seq.num_computed_tokens < seq.num_tokens:
@@ -112,7 +113,12 @@ class Scheduler:
                 continue  # a chunk of a prompt: nothing sampled yet
             if row in nonfinite_rows:  # fail this request alone; its K/V are never cached
                 row += 1
-                self._finish(seq, "nonfinite", finished)
+                self._finish(seq, FinishReason.NONFINITE, finished)
+                continue
+            if row in row_errors:
+                seq.error = row_errors[row]
+                row += 1
+                self._finish(seq, FinishReason.ERROR, finished)
                 continue
             self.blocks.register_computed(seq)
             if not seq.output_token_ids:
@@ -121,26 +127,31 @@ class Scheduler:
                     seq.first_logits = logits[row]
             seq.token_ids.append(token_ids[row])
             row += 1
+            if seq.on_token is not None:
+                seq.on_token(token_ids[row - 1])
             reason = self._finish_reason(seq)
             if reason:
                 self._finish(seq, reason, finished)
         return finished
 
-    def _finish(self, seq: Sequence, reason: str, finished: list[Sequence]) -> None:
+    def _finish(self, seq: Sequence, reason: FinishReason, finished: list[Sequence]) -> None:
         seq.finish_reason, seq.status = reason, Status.FINISHED
         seq.kv_block_table = list(seq.block_table)
         self.blocks.free(seq)
         self.running.remove(seq)
         finished.append(seq)
 
-    def _finish_reason(self, seq: Sequence) -> str | None:
+    def _finish_reason(self, seq: Sequence) -> FinishReason | None:
         if not seq.params.ignore_eos and seq.token_ids[-1] in self.eos_token_ids:
-            return "stop"
+            return FinishReason.STOP
         if len(seq.output_token_ids) >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
-            return "length"
+            return FinishReason.LENGTH
+        # the token just sampled needs a slot next step; past the whole pool it can never have one
+        if self.blocks.blocks_for(seq.num_tokens) > self.blocks.num_blocks:
+            return FinishReason.CACHE_FULL
         return None
 
-    def abort(self, seqs: list[Sequence], reason: str = "aborted") -> None:
+    def abort(self, seqs: list[Sequence], reason: FinishReason = FinishReason.ABORTED) -> None:
         """Forget sequences whose step failed; their blocks go back, never half-registered."""
         for seq in seqs:
             if seq in self.running:

@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import itertools
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import Enum, StrEnum
+from typing import Callable
 
 from engine.driver.sampling_params import SamplingParams
 
@@ -15,6 +17,17 @@ class Status(Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+
+
+class FinishReason(StrEnum):
+    """Why a request stopped; equal to its string value (`reason == "stop"`)."""
+
+    STOP = "stop"  # sampled an end-of-sequence token
+    LENGTH = "length"  # reached max_tokens or max_model_len
+    CACHE_FULL = "cache_full"  # the next token's K/V would not fit in the whole KV cache
+    NONFINITE = "nonfinite"  # the model gave NaN/Inf logits: the request fails
+    ERROR = "error"  # sampling raised for this request's settings: the request fails
+    ABORTED = "aborted"  # cancelled, or failed with the rest of its step
 
 
 @dataclass(slots=True)
@@ -33,8 +46,12 @@ class Sequence:
     first_token_time: float | None = None
     keep_first_logits: bool = False
     first_logits: object = None
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
+    error: str | None = None  # with FinishReason.ERROR: what the rank said
     kv_block_table: list[int] = field(default_factory=list)  # where its K/V stayed when it finished
+    # resolved by the step loop when the request ends; on_token sees each new token as it comes
+    future: Future = field(default_factory=Future)
+    on_token: Callable[[int], None] | None = None
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_token_ids)
@@ -45,6 +62,7 @@ class Sequence:
         self.num_computed_tokens = self.num_cached_tokens = self.num_hashed_blocks = 0
         self.block_table, self.parent_hash = [], None
         self.status, self.finish_reason, self.first_token_time = Status.WAITING, None, None
+        self.error = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,4 +1,5 @@
-"""Tiny random checkpoints saved with `save_pretrained`, for shapes SmolLM2 does not cover."""
+"""Tiny random checkpoints saved with `save_pretrained`, for shapes SmolLM2 does not cover,
+and random prompts: what tests, benchmarks and the GPU check run on when no real data is needed."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -45,3 +46,9 @@ def build(name: str, root: Path, seed: int = 0) -> Path:
                 p.normal_(1.0 if p.dim() == 1 else 0, 0.05)
     model.save_pretrained(out, max_shard_size=shard or "1GB")
     return out
+
+
+def random_token_ids(n: int, vocab: int, seed: int) -> list[int]:
+    """n token ids drawn from the vocabulary past the first few special ids, reproducibly."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (n,), generator=generator).tolist()

@@ -11,7 +11,15 @@ from __future__ import annotations
 import torch
 
 from engine.loading.model_config import ModelConfig
-from parallel.trace import nbytes, shape
+from parallel import comm
+
+
+def nbytes(*tensors: torch.Tensor) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def shape(t: torch.Tensor | tuple[int, ...]) -> str:
+    return "[" + ", ".join(str(d) for d in (t.shape if isinstance(t, torch.Tensor) else t)) + "]"
 
 
 def attention_pairs(q_len: int, kv_len: int) -> int:
@@ -28,6 +36,35 @@ def forward_flops(cfg: ModelConfig, q_len: int, kv_len: int, logits_rows: int = 
     linear = d * (q_width + 2 * kv_width) + q_width * d + 3 * d * cfg.intermediate_size
     per_layer = 2 * q_len * linear + 2 * 2 * cfg.num_heads * hd * attention_pairs(q_len, kv_len)
     return cfg.num_layers * per_layer + 2 * logits_rows * d * cfg.vocab_size
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """[T, k] x [k, n]: 2Tkn FLOPs; reads x and W (and b), writes [T, n]."""
+    rows, (n, k) = x.numel() // x.shape[-1], weight.shape
+    out_bytes = rows * n * x.element_size()
+    extra = nbytes(bias) if bias is not None else 0
+    return (f"{shape((rows, k))} x {shape((k, n))}", 2 * rows * k * n,
+            nbytes(x, weight) + extra + out_bytes)
+
+
+def embedding(ids: torch.Tensor, weight: torch.Tensor):
+    """A gather: no FLOPs; reads the ids and one row per token, writes [T, d]."""
+    row_bytes = weight.shape[1] * weight.element_size()
+    return (f"{shape(ids)} -> {shape((len(ids), weight.shape[1]))}", 0,
+            nbytes(ids) + 2 * len(ids) * row_bytes)
+
+
+def all_reduce(x: torch.Tensor):
+    """Ring all-reduce of n elements over w ranks: each rank does (w-1)·n/w additions and sends
+    and receives 2(w-1)/w of the tensor's bytes."""
+    w, n = comm.world_size(), x.numel()
+    return shape(x), (w - 1) * n // w, 2 * (w - 1) * n * x.element_size() // w
+
+
+def gather_to_rank_zero(x: torch.Tensor, sizes: list[int]):
+    """Slices padded to the widest; rank 0 receives every rank's slice, the others send one."""
+    part = x.numel() // x.shape[-1] * max(sizes) * x.element_size()
+    return shape(x), 0, part * (len(sizes) if comm.rank() == 0 else 1)
 
 
 def rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor):
@@ -68,3 +105,30 @@ def silu_mul(gate_up: torch.Tensor):
 def sample(logits: torch.Tensor):
     """One comparison per vocabulary entry (argmax; softmax and filters for sampling)."""
     return shape(logits), logits.numel(), nbytes(logits)
+
+
+def op_cost(op: str, module: torch.nn.Module, args: tuple) -> tuple[str, int, int]:
+    """(shapes, FLOPs, bytes) of one call of a traced op, from the module and its inputs."""
+    if op in ("qkv_proj", "gate_up_proj"):
+        return linear(args[0], module.weight, module.bias)
+    if op in ("o_proj", "down_proj", "lm_head"):  # the bias, if any, is added after the reduce
+        return linear(args[0], module.weight)
+    if op == "embedding":
+        return embedding(args[0], module.weight)
+    if op.endswith("norm"):
+        return rmsnorm(args[0], args[1] if len(args) > 1 else None, module.weight)
+    if op == "rope":
+        return rope(args[1], args[2])
+    if op == "kv_write":
+        return kv_write(args[0], args[1])
+    if op == "attention":
+        return attention(args[0], args[1], args[3].meta)
+    if op == "silu_mul":
+        return silu_mul(args[0])
+    if op == "all_reduce":
+        return all_reduce(args[0])
+    if op == "gather_logits":
+        return gather_to_rank_zero(args[0], module.sizes)
+    if op == "sample":
+        return sample(args[0])
+    raise KeyError(f"no cost formula for op {op!r}")

@@ -8,7 +8,7 @@ candidates, what the cache saves over recomputation, and where the TTFT went.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -76,7 +76,6 @@ class WalkthroughReport:
     first_token: dict
     cache_savings: dict
     ttft: dict
-    extra: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return {"prompt": self.prompt, "model": self.model, "hardware": self.hardware.to_dict(),
@@ -102,14 +101,10 @@ class WalkthroughReport:
 
 
 def _traced(llm, fn) -> tuple[list[dict], object]:
-    """Run fn() with every rank of the first replica tracing; all ranks' records, and fn's result."""
-    executor = llm.replicas[0].executor
-    executor.call("trace_start")
-    try:
+    """Run fn() with every rank tracing; all ranks' records, and fn's result."""
+    with llm.tracing() as records:
         result = fn()
-    finally:
-        per_rank = executor.call("trace_stop")
-    return [rec for records in per_rank for rec in records], result
+    return records, result
 
 
 def _last_step(records: list[dict]) -> list[dict]:
@@ -126,8 +121,8 @@ def _last_step(records: list[dict]) -> list[dict]:
 
 def _model_section(llm) -> dict:
     mc, cfg = llm.model_config, llm.config
-    ranks = [{k: info[k] for k in ("rank", "q_heads", "kv_heads", "ffn", "vocab", "weight_bytes")}
-             for info in llm.rank_info]
+    ranks = [{k: getattr(info, k) for k in ("rank", "q_heads", "kv_heads", "ffn", "vocab",
+                                            "weight_bytes")} for info in llm.rank_info()]
     return {"name": cfg.model, "layers": mc.num_layers, "hidden": mc.hidden_size,
             "heads": mc.num_heads, "kv_heads": mc.num_kv_heads, "head_dim": mc.head_dim,
             "ffn": mc.intermediate_size, "vocab": mc.vocab_size, "params": mc.num_params,
@@ -137,12 +132,12 @@ def _model_section(llm) -> dict:
 def _kv_section(llm, out) -> dict:
     mc, tokens = llm.model_config, len(out.prompt_token_ids)
     ranks = []
-    for info in llm.rank_info:
-        heads = info["kv_heads"][1] - info["kv_heads"][0]
-        ranks.append({"rank": info["rank"], "kv_heads": info["kv_heads"],
-                      "bytes_per_token": info["kv_bytes_per_token"],
-                      "bytes_held": tokens * info["kv_bytes_per_token"],
-                      "cache_shape": f"[2, {mc.num_layers}, {info['num_blocks']}, "
+    for info in llm.rank_info():
+        heads = info.kv_heads[1] - info.kv_heads[0]
+        ranks.append({"rank": info.rank, "kv_heads": info.kv_heads,
+                      "bytes_per_token": info.kv_bytes_per_token,
+                      "bytes_held": tokens * info.kv_bytes_per_token,
+                      "cache_shape": f"[2, {mc.num_layers}, {info.num_blocks}, "
                                      f"{llm.config.block_size}, {heads}, {mc.head_dim}]"})
     return {"tokens": tokens, "block_table": out.block_table, "block_size": llm.config.block_size,
             "bytes_total": sum(r["bytes_held"] for r in ranks), "ranks": ranks}
@@ -164,7 +159,7 @@ def _cache_savings(llm, ids: list[int], n: int) -> dict:
     [g] = llm.generate([ids], SamplingParams(max_tokens=n, ignore_eos=True))
     with_cache = time.perf_counter() - start
     seq, start = list(ids), time.perf_counter()
-    with llm.replicas[0].block_manager.caching_disabled():
+    with llm.prefix_caching(False):
         for token in g.token_ids:
             llm.prefill([seq])
             seq.append(token)
@@ -191,10 +186,10 @@ def _ttft_parts(tokenize_s: float, step, prefill: Section, ttft_s: float) -> dic
 def run_walkthrough(llm, prompt, hw: Hardware, decode_tokens: int = 8, top_k: int = 5) -> WalkthroughReport:
     """Prefill `prompt` once with tracing on, then one traced decode step, then the comparisons."""
     start = time.perf_counter()
-    ids = llm.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+    ids = llm.tokenize(prompt if isinstance(prompt, str) else list(prompt))  # e.g. a Hydra list
     tokenize_s = time.perf_counter() - start
     llm.prefill([ids[:1]])  # warm-up: first-call costs are not the prefill's
-    with llm.replicas[0].block_manager.caching_disabled():  # a full prefill, whatever was cached
+    with llm.prefix_caching(False):  # a full prefill, whatever was cached
         records, [out] = _traced(llm, lambda: llm.prefill([ids]))
     step = llm.step_timings()[-1]
     prefill = Section.from_records(records, len(ids), step.forward_s + step.sample_s, hw)

@@ -1,7 +1,9 @@
-"""Attention of new tokens over their sequence's cached prefix plus themselves (torch backend).
+"""Attention of new tokens over their sequence's cached prefix plus themselves.
 
 One function covers a whole prompt, a chunk of one after earlier chunks or a prefix-cache hit,
-and a decode step: each sequence's queries are the last q_len positions of its context.
+and a decode step: each sequence's queries are the last q_len positions of its context. The
+modules here (`KVStore`, `PagedAttention`) are the two ops every layer runs on the cache; which
+implementation runs them is the backend's choice.
 """
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from engine.rank.kv_cache import KVCache
 
@@ -22,6 +25,37 @@ class AttentionMetadata:
     kv_head_of_q: torch.Tensor  # local KV head read by each local query head
     # query head h reads KV head h // (hq / hkv): SDPA can share the KV heads itself, no copies
     uniform_groups: bool = False
+
+
+@dataclass(slots=True)
+class StepContext:
+    """What every layer of one forward shares: this rank's cache and the step's metadata."""
+
+    cache: KVCache
+    meta: AttentionMetadata
+
+
+class KVStore(nn.Module):
+    """Writes the new tokens' K and V into their slots of this layer's cache."""
+
+    def __init__(self, layer_idx: int, backend):
+        super().__init__()
+        self.layer_idx, self.backend = layer_idx, backend
+
+    def forward(self, k: torch.Tensor, v: torch.Tensor, ctx: StepContext) -> None:
+        self.backend.kv_store(ctx.cache, self.layer_idx, k, v, ctx.meta.slot_mapping)
+
+
+class PagedAttention(nn.Module):
+    """Causal attention of the new queries over the whole context held in the cache."""
+
+    def __init__(self, layer_idx: int, scale: float, backend):
+        super().__init__()
+        self.layer_idx, self.scale, self.backend = layer_idx, scale, backend
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                ctx: StepContext) -> torch.Tensor:
+        return self.backend.attention(self.layer_idx, q, k, v, ctx.cache, ctx.meta, self.scale)
 
 
 def _causal_mask(q_len: int, kv_len: int, device) -> torch.Tensor:

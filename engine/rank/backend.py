@@ -13,6 +13,7 @@ from engine.rank import ops
 from engine.rank.attention import torch_attention
 from engine.errors import ConfigError
 from engine.rank.kv_cache import KVCache
+from parallel.comm import is_cuda
 
 BACKENDS = ("auto", "torch", "triton")
 
@@ -46,10 +47,12 @@ def _triton() -> Backend:
 
 
 def select_backend(name: str, device: str) -> Backend:
-    if name == "torch" or (name == "auto" and not device.startswith("cuda")):
+    """The backend `name` resolves to on `device`; a choice that cannot run here fails now."""
+    on_cuda = is_cuda(device)
+    if name == "torch" or (name == "auto" and not on_cuda):
         return TORCH
     if name in ("triton", "auto"):
-        if not device.startswith("cuda"):
+        if not on_cuda:
             if os.environ.get("TRITON_INTERPRET") != "1":
                 raise ConfigError("attention_backend='triton' on a CPU needs TRITON_INTERPRET=1 "
                                   "set before the engine starts (slow: for tests only)")

@@ -1,149 +1,137 @@
 """The decoder-only transformer (Llama, Mistral, SmolLM2, Qwen2), written once against the
-tensor-parallel layers: with one rank it holds the whole model, with N it holds its shard."""
-from __future__ import annotations
+tensor-parallel layers: with one rank it holds the whole model, with N it holds its shard.
 
-from dataclasses import dataclass
+Every op is a module of its own, so the model reads as the math and anything that observes it
+(tracing, the walkthrough) hooks in from outside.
+"""
+from __future__ import annotations
 
 import torch
 from torch import nn
 
-from engine.observe import costs
-from engine.rank.attention import AttentionMetadata
-from engine.rank.backend import TORCH, Backend
-from engine.rank.kv_cache import KVCache
 from engine.loading.model_config import ModelConfig
+from engine.plan import ShardPlan
+from engine.rank.attention import KVStore, PagedAttention, StepContext
+from engine.rank.backend import TORCH, Backend
 from engine.rank.rope import RotaryEmbedding
 from parallel.layers import (ColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
                              RowParallelLinear, TensorReader, VocabParallelEmbedding,
                              copy_checked)
-from parallel.partition import HeadPartition, Range, even_ranges, partition_heads, scale
-from parallel.trace import TRACER
-
-
-@dataclass(frozen=True, slots=True)
-class ShardPlan:
-    """What one rank owns of every layer."""
-
-    rank: int
-    world_size: int
-    heads: HeadPartition
-    ffn: Range
-    vocab_ranges: list[Range]
-
-    @classmethod
-    def for_rank(cls, cfg: ModelConfig, rank: int, world_size: int) -> "ShardPlan":
-        return cls(rank, world_size, partition_heads(cfg.num_heads, cfg.num_kv_heads, world_size)[rank],
-                   even_ranges(cfg.intermediate_size, world_size)[rank],
-                   even_ranges(cfg.vocab_size, world_size))
+from parallel.partition import range_times
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, backend: Backend, trace_name: str):
+    def __init__(self, dim: int, eps: float, backend: Backend):
         super().__init__()
-        self.eps, self.backend, self.trace_name = eps, backend, trace_name
+        self.eps, self.backend = eps, backend
         self.weight = nn.Parameter(torch.empty(dim), requires_grad=False)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """(normed x + residual, x + residual): the sum is the next residual."""
-        with TRACER.op(self.trace_name, lambda: costs.rmsnorm(x, residual, self.weight), x.device):
-            return self.backend.rmsnorm(x, residual, self.weight, self.eps)
+        return self.backend.rmsnorm(x, residual, self.weight, self.eps)
+
+    def load(self, read: TensorReader, name: str) -> None:
+        copy_checked(self.weight, read(f"{name}.weight", None, 0, 0), f"{name}.weight")
+
+
+class SiluAndMul(nn.Module):
+    def __init__(self, backend: Backend):
+        super().__init__()
+        self.backend = backend
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.backend.silu_mul(gate_up)
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, plan: ShardPlan, rope: RotaryEmbedding, backend: Backend):
+    def __init__(self, cfg: ModelConfig, shard: ShardPlan, layer_idx: int,
+                 rotary_emb: RotaryEmbedding, backend: Backend):
         super().__init__()
-        hd = cfg.head_dim
-        self.head_dim, self.scale, self.rope, self.backend = hd, hd ** -0.5, rope, backend
-        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, hd, plan.heads, cfg.qkv_bias)
-        self.o_proj = RowParallelLinear(scale(plan.heads.q_heads, hd), cfg.hidden_size,
-                                        trace_name="o_proj")
+        self.head_dim = hd = cfg.head_dim
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, hd, shard.heads, cfg.qkv_bias)
+        self.rotary_emb = rotary_emb
+        self.kv_store = KVStore(layer_idx, backend)
+        self.attn = PagedAttention(layer_idx, hd ** -0.5, backend)
+        self.o_proj = RowParallelLinear(range_times(shard.heads.q_heads, hd), cfg.hidden_size)
 
-    def forward(self, layer: int, x: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
-        q = q.view(len(x), -1, self.head_dim)
-        k = k.view(len(x), -1, self.head_dim)
-        v = v.view(len(x), -1, self.head_dim)
-        with TRACER.op("rope", lambda: costs.rope(q, k), x.device):
-            q, k = self.backend.rope(positions, q, k, self.rope.cos, self.rope.sin)
-        with TRACER.op("kv_write", lambda: costs.kv_write(k, v), x.device):
-            self.backend.kv_store(cache, layer, k, v, meta.slot_mapping)
-        with TRACER.op("attention", lambda: costs.attention(q, k, meta), x.device):
-            o = self.backend.attention(layer, q, k, v, cache, meta, self.scale)
-        return self.o_proj(o.flatten(1))
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        q, k, v = (t.view(len(x), -1, self.head_dim) for t in self.qkv_proj.split(self.qkv_proj(x)))
+        q, k = self.rotary_emb(positions, q, k)
+        self.kv_store(k, v, ctx)
+        return self.o_proj(self.attn(q, k, v, ctx).flatten(1))
+
+    def load(self, read: TensorReader, prefix: str) -> None:
+        self.qkv_proj.load(read, [f"{prefix}.q_proj", f"{prefix}.k_proj", f"{prefix}.v_proj"])
+        self.o_proj.load(read, f"{prefix}.o_proj")
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, plan: ShardPlan, backend: Backend):
+    def __init__(self, cfg: ModelConfig, shard: ShardPlan, backend: Backend):
         super().__init__()
-        self.backend = backend
-        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [plan.ffn, plan.ffn],
-                                                 trace_name="gate_up_proj")
-        self.down_proj = RowParallelLinear(plan.ffn, cfg.hidden_size, trace_name="down_proj")
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [shard.ffn, shard.ffn])
+        self.act_fn = SiluAndMul(backend)
+        self.down_proj = RowParallelLinear(shard.ffn, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        with TRACER.op("silu_mul", lambda: costs.silu_mul(gate_up), x.device):
-            act = self.backend.silu_mul(gate_up)
-        return self.down_proj(act)
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+    def load(self, read: TensorReader, prefix: str) -> None:
+        self.gate_up_proj.load(read, [f"{prefix}.gate_proj", f"{prefix}.up_proj"])
+        self.down_proj.load(read, f"{prefix}.down_proj")
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, plan: ShardPlan, rope: RotaryEmbedding, backend: Backend):
+    def __init__(self, cfg: ModelConfig, shard: ShardPlan, layer_idx: int,
+                 rotary_emb: RotaryEmbedding, backend: Backend):
         super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend, "input_norm")
-        self.self_attn = Attention(cfg, plan, rope, backend)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend,
-                                                "post_attn_norm")
-        self.mlp = MLP(cfg, plan, backend)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
+        self.self_attn = Attention(cfg, shard, layer_idx, rotary_emb, backend)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
+        self.mlp = MLP(cfg, shard, backend)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
+        x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, ctx)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+    def load(self, read: TensorReader, prefix: str) -> None:
+        self.input_layernorm.load(read, f"{prefix}.input_layernorm")
+        self.self_attn.load(read, f"{prefix}.self_attn")
+        self.post_attention_layernorm.load(read, f"{prefix}.post_attention_layernorm")
+        self.mlp.load(read, f"{prefix}.mlp")
 
 
 class CausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, plan: ShardPlan, max_positions: int,
+    def __init__(self, cfg: ModelConfig, shard: ShardPlan, max_positions: int,
                  backend: Backend = TORCH):
         super().__init__()
-        self.cfg, self.plan = cfg, plan
-        rope = RotaryEmbedding(cfg, max_positions)
-        self.embed_tokens = VocabParallelEmbedding(plan.vocab_ranges[plan.rank], cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, plan, rope, backend)
-                                    for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend, "final_norm")
-        self.lm_head = ParallelLMHead(plan.vocab_ranges, plan.rank, cfg.hidden_size,
+        rotary_emb = RotaryEmbedding(cfg, max_positions, backend)
+        self.embed_tokens = VocabParallelEmbedding(shard.vocab, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, shard, i, rotary_emb, backend)
+                                    for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
+        self.lm_head = ParallelLMHead(shard.vocab_ranges, shard.rank, cfg.hidden_size,
                                       self.embed_tokens if cfg.tie_word_embeddings else None)
 
     @torch.inference_mode()
-    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor | None:
+    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext,
+                logits_indices: torch.Tensor) -> torch.Tensor | None:
         """Logits [len(logits_indices), vocab] on rank 0 (None on other ranks)."""
-        h, residual = self.embed_tokens(token_ids), None
-        for i, layer in enumerate(self.layers):
-            TRACER.layer = i
-            x, residual = layer.input_layernorm(h, residual)
-            h = layer.self_attn(i, x, positions, cache, meta)
-            x, residual = layer.post_attention_layernorm(h, residual)
-            h = layer.mlp(x)
-        TRACER.layer = -1
+        x, residual = self.embed_tokens(token_ids), None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, ctx)
         # only the rows that sample a token go through the final norm and the LM head
         if not len(logits_indices):  # every rank sees the same batch, so all skip together
             return None
-        last = self.norm(h[logits_indices], residual[logits_indices])[0]
-        logits = self.lm_head(last)
+        x, _ = self.norm(x[logits_indices], residual[logits_indices])
+        logits = self.lm_head(x)
         return None if logits is None else logits.float()
 
     def load(self, read: TensorReader) -> None:
         self.embed_tokens.load(read, "model.embed_tokens")
         for i, layer in enumerate(self.layers):
-            p = f"model.layers.{i}"
-            _load_norm(layer.input_layernorm, read, f"{p}.input_layernorm")
-            _load_norm(layer.post_attention_layernorm, read, f"{p}.post_attention_layernorm")
-            attn = f"{p}.self_attn"
-            layer.self_attn.qkv_proj.load(read, [f"{attn}.q_proj", f"{attn}.k_proj", f"{attn}.v_proj"])
-            layer.self_attn.o_proj.load(read, f"{attn}.o_proj")
-            layer.mlp.gate_up_proj.load(read, [f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj"])
-            layer.mlp.down_proj.load(read, f"{p}.mlp.down_proj")
-        _load_norm(self.norm, read, "model.norm")
+            layer.load(read, f"model.layers.{i}")
+        self.norm.load(read, "model.norm")
         self.lm_head.load(read, "lm_head")
-
-
-def _load_norm(norm: RMSNorm, read: TensorReader, name: str) -> None:
-    copy_checked(norm.weight, read(f"{name}.weight", None, 0, 0), f"{name}.weight")

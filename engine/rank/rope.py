@@ -6,6 +6,7 @@ import math
 import torch
 
 from engine.loading.model_config import ModelConfig
+from engine.rank.backend import TORCH, Backend
 
 
 def _llama3_scaled(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
@@ -22,10 +23,12 @@ def _llama3_scaled(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding(torch.nn.Module):
-    """cos/sin tables [max_positions, head_dim/2], float32 whatever the model dtype."""
+    """Rotates q and k by their positions. cos/sin tables [max_positions, head_dim/2] stay
+    float32 whatever the model dtype; one instance is shared by every layer."""
 
-    def __init__(self, cfg: ModelConfig, max_positions: int):
+    def __init__(self, cfg: ModelConfig, max_positions: int, backend: Backend = TORCH):
         super().__init__()
+        self.backend = backend
         d = cfg.head_dim
         inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
         if cfg.rope_scaling is not None:
@@ -33,3 +36,7 @@ class RotaryEmbedding(torch.nn.Module):
         angles = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
         self.register_buffer("cos", angles.cos().float(), persistent=False)
         self.register_buffer("sin", angles.sin().float(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor,
+                k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.backend.rope(positions, q, k, self.cos, self.sin)

@@ -1,57 +1,62 @@
 """One rank: its shard of the model, its slice of the paged KV cache, and the step it runs.
 
-The same class runs in the driver's process (one rank) or inside a Ray actor (one per rank)."""
+The same class runs in the driver's process (one rank) or inside a Ray actor (one per rank).
+It builds everything from the driver's `EnginePlan` and derives nothing of its own."""
 from __future__ import annotations
 
 import os
 import time
 
 import torch
+from torch import nn
 
-from engine.rank.attention import AttentionMetadata
-from engine.batch import Batch, StepResult
-from engine.rank.backend import select_backend
-from engine.loading.checkpoint import Checkpoint, open_checkpoint
-from engine.config import EngineConfig
+from engine.batch import Batch, SamplingSpec, StepResult
 from engine.errors import ModelLoadError
+from engine.loading.checkpoint import Checkpoint, open_checkpoint
+from engine.observe.tracer import OpTracer
+from engine.plan import EnginePlan, RankInfo
+from engine.rank.attention import AttentionMetadata, StepContext
+from engine.rank.backend import select_backend
 from engine.rank.kv_cache import KVCache
-from engine.rank.model import CausalLM, ShardPlan
-from engine.observe import costs
+from engine.rank.model import CausalLM
 from engine.rank.sampler import sample
 from parallel import comm
-from parallel.partition import partition_heads
-from parallel.trace import TRACER
+
+
+class Sampler(nn.Module):
+    """The next token of every row; a module so the tracer sees it as an op."""
+
+    def forward(self, logits: torch.Tensor, specs: list[SamplingSpec]) -> list[int]:
+        return sample(logits, specs)
 
 
 class Worker:
-    def __init__(self, cfg: EngineConfig, rank: int = 0, world_size: int = 1,
+    def __init__(self, plan: EnginePlan, rank: int = 0, world_size: int = 1,
                  checkpoint: Checkpoint | None = None):
-        if cfg.num_threads:
-            torch.set_num_threads(cfg.num_threads)
-        self.rank, self.device, self.dtype = rank, torch.device(cfg.device), cfg.torch_dtype
-        ckpt = checkpoint or open_checkpoint(cfg.model)
-        self.model_cfg = mc = ckpt.config
-        self.max_model_len = cfg.max_model_len or mc.max_position_embeddings
-        self.plan = ShardPlan.for_rank(mc, rank, world_size)
-        self.backend = select_backend(cfg.attention_backend, cfg.device)
-        self.model = CausalLM(mc, self.plan, self.max_model_len, self.backend)
-        self._load(ckpt)
-        for p in self.model.parameters():  # buffers (rotary tables) stay float32
-            p.data = p.data.to(self.device, self.dtype)
+        assert world_size == plan.world_size, (world_size, plan.world_size)
+        if plan.num_threads:
+            torch.set_num_threads(plan.num_threads)
+        self.plan, self.rank = plan, rank
+        self.device = torch.device(plan.device)
+        if plan.on_cuda:  # a Ray actor sees its own GPU as device 0
+            torch.cuda.set_device(self.device)
+        self.shard = shard = plan.shard(rank)
+        self.model = CausalLM(plan.model, shard, plan.max_model_len,
+                              select_backend(plan.backend, plan.device))
+        # parameters go to their device and dtype before loading, so each checkpoint slice is
+        # cast once on its way in; the rotary tables (buffers) stay float32
+        for p in self.model.parameters():
+            p.data = torch.empty_like(p.data, device=self.device, dtype=plan.dtype)
         self.model.to(self.device)
-        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        heads = self.plan.heads.num_kv_heads
-        self.kv_bytes_per_token = KVCache.bytes_per_token(mc.num_layers, heads, mc.head_dim, self.dtype)
-        # every rank gets the same number of blocks, as many as the rank with most KV heads fits
-        widest = max(p.num_kv_heads for p in partition_heads(mc.num_heads, mc.num_kv_heads, world_size))
-        widest_bytes = KVCache.bytes_per_token(mc.num_layers, widest, mc.head_dim, self.dtype)
-        num_blocks = int(cfg.kv_cache_gb * 2**30) // (widest_bytes * cfg.block_size)
-        self.cache = KVCache(mc.num_layers, num_blocks, cfg.block_size, heads, mc.head_dim,
-                             self.dtype, self.device)
-        mapping = self.plan.heads.kv_head_of_q_head()
+        self._load(checkpoint or open_checkpoint(plan.source))
+        self.cache = KVCache(plan.model.num_layers, plan.num_blocks, plan.block_size,
+                             shard.heads.num_kv_heads, plan.model.head_dim, plan.dtype, self.device)
+        mapping = shard.heads.kv_head_of_q_head()
         self.kv_head_of_q = torch.tensor(mapping, device=self.device)
-        group = len(mapping) // self.plan.heads.num_kv_heads
+        group = len(mapping) // shard.heads.num_kv_heads
         self.uniform_groups = mapping == [h // group for h in range(len(mapping))]
+        self.sampler = Sampler()
+        self._tracer: OpTracer | None = None
 
     def _load(self, ckpt: Checkpoint) -> None:
         """Every tensor the model needs, each exactly as expected, and no tensor left over."""
@@ -74,52 +79,74 @@ class Worker:
             raise ModelLoadError(f"{ckpt.source}: {len(extra)} tensor(s) this architecture does not "
                                  f"use, e.g. {extra[:3]}; is config.json for another model?")
 
-    def info(self) -> dict:
-        h = self.plan.heads
-        return {"rank": self.rank, "q_heads": h.q_heads, "kv_heads": h.kv_heads,
-                "ffn": self.plan.ffn, "vocab": self.plan.vocab_ranges[self.rank],
-                "weight_bytes": self.weight_bytes, "kv_bytes_per_token": self.kv_bytes_per_token,
-                "num_blocks": self.cache.num_blocks, "kv_cache_bytes": self.cache.nbytes}
+    def info(self) -> RankInfo:
+        heads = self.shard.heads
+        return RankInfo(self.rank, heads.q_heads, heads.kv_heads, self.shard.ffn, self.shard.vocab,
+                        sum(p.numel() * p.element_size() for p in self.model.parameters()),
+                        self.plan.kv_bytes_per_token(heads.num_kv_heads), self.cache.num_blocks,
+                        self.cache.nbytes, os.getpid())
 
     def execute(self, batch: Batch) -> StepResult | None:
-        dev, start = self.device, time.perf_counter()
-        comm.collective_seconds()  # start this step's count from zero
+        dev, start, collective_before = self.device, time.perf_counter(), comm.CLOCK.seconds
         meta = AttentionMetadata(
             cu_seqlens_q=batch.cu_seqlens_q, context_lens=batch.context_lens,
             block_tables=batch.block_tables,
             slot_mapping=torch.tensor(batch.slot_mapping, device=dev),
             kv_head_of_q=self.kv_head_of_q, uniform_groups=self.uniform_groups)
         logits = self.model(torch.tensor(batch.token_ids, device=dev),
-                            torch.tensor(batch.positions, device=dev), self.cache, meta,
+                            torch.tensor(batch.positions, device=dev), StepContext(self.cache, meta),
                             torch.tensor(batch.logits_indices, device=dev, dtype=torch.long))
+        if self.plan.on_cuda:  # the timers below read host time: let the device catch up first
+            torch.cuda.synchronize(dev)
         if self.rank != 0:
             return None
-        forward_s, collective_s = time.perf_counter() - start, comm.collective_seconds()
-        tokens, nonfinite, start = [], [], time.perf_counter()
+        forward_s = time.perf_counter() - start
+        result = StepResult([], None, forward_s, comm.CLOCK.seconds - collective_before)
         if logits is not None:  # None: every sequence is mid-prompt, nothing to sample
-            logits = logits.cpu()
-            # a row of NaN/Inf would "sample" garbage: flag it, and sample from a safe stand-in
-            nonfinite = (~torch.isfinite(logits).all(-1)).nonzero().flatten().tolist()
-            safe = logits.nan_to_num(0.0, 0.0, 0.0) if nonfinite else logits
-            with TRACER.op("sample", lambda: costs.sample(logits), logits.device):
-                tokens = sample(safe, batch.sampling)
-        return StepResult(tokens, logits if batch.return_logits else None, forward_s, collective_s,
-                          time.perf_counter() - start, nonfinite)
+            self._sample(logits.cpu(), batch, result)
+        return result
+
+    def _sample(self, logits: torch.Tensor, batch: Batch, result: StepResult) -> None:
+        """Fill `result` with one token per row. A row of NaN/Inf would "sample" garbage: it is
+        flagged and sampled from a safe stand-in, so one bad request fails alone."""
+        start = time.perf_counter()
+        result.nonfinite_rows = (~torch.isfinite(logits).all(-1)).nonzero().flatten().tolist()
+        safe = logits.nan_to_num(0.0, 0.0, 0.0) if result.nonfinite_rows else logits
+        try:
+            result.token_ids = self.sampler(safe, batch.sampling)
+        except Exception:  # noqa: BLE001  one request's settings: find it, spare the others
+            result.token_ids = [self._sample_row(safe, i, spec, result)
+                                for i, spec in enumerate(batch.sampling)]
+        result.logits = logits if batch.return_logits else None
+        result.sample_s = time.perf_counter() - start
+
+    @staticmethod
+    def _sample_row(logits: torch.Tensor, row: int, spec: SamplingSpec, result: StepResult) -> int:
+        try:
+            return sample(logits[row:row + 1], [spec])[0]
+        except Exception as e:  # noqa: BLE001  reported to the driver as this request's failure
+            result.row_errors[row] = f"{type(e).__name__}: {e}"
+            return 0
 
     def memory(self) -> dict:
         """This rank's resident memory (CPU) or peak allocated memory (CUDA), in bytes."""
-        if self.device.type == "cuda":
+        if self.plan.on_cuda:
             return {"rank": self.rank, "resident_bytes": torch.cuda.max_memory_allocated(self.device)}
         with open("/proc/self/statm") as f:
             pages = int(f.read().split()[1])
         return {"rank": self.rank, "resident_bytes": pages * os.sysconf("SC_PAGE_SIZE")}
 
-    def trace_start(self) -> None:
-        TRACER.start(self.rank)
+    def start_tracing(self) -> None:
+        self._tracer = OpTracer(self.rank, self.device, {"": self.model, "sampler": self.sampler})
+        self._tracer.__enter__()
 
-    def trace_stop(self) -> list[dict]:
-        """Every op this rank ran since trace_start, with shapes, FLOPs, bytes and time."""
-        return [r.to_dict() for r in TRACER.stop()]
+    def stop_tracing(self) -> list[dict]:
+        """Every op this rank ran since start_tracing, with shapes, FLOPs, bytes and time."""
+        tracer, self._tracer = self._tracer, None
+        if tracer is None:
+            return []
+        tracer.__exit__(None, None, None)
+        return [r.to_dict() for r in tracer.records]
 
     def read_kv(self, layer: int, block_table: list[int], length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's K/V of one sequence ([length, local kv heads, d]), for inspection."""

@@ -1,0 +1,109 @@
+"""What the driver resolves once and every rank is told: the plan of one replica.
+
+The settings say what the user asked for; the plan is what follows from them and the checkpoint
+(context length, dtype, the attention backend, how heads, FFN and vocabulary split over ranks,
+how many KV blocks fit). Ranks build from the plan and never re-derive any of it, so the driver
+and every rank agree by construction.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from engine.config import EngineConfig
+from engine.errors import ConfigError
+from engine.loading.model_config import ModelConfig
+from parallel import comm
+from parallel.partition import HeadPartition, Range, even_ranges, partition_heads
+
+
+@dataclass(frozen=True, slots=True)
+class ShardPlan:
+    """What one rank owns of every layer."""
+
+    rank: int
+    world_size: int
+    heads: HeadPartition
+    ffn: Range
+    vocab_ranges: list[Range]
+
+    @property
+    def vocab(self) -> Range:
+        return self.vocab_ranges[self.rank]
+
+
+@dataclass(frozen=True, slots=True)
+class EnginePlan:
+    source: str  # the checkpoint every rank opens
+    model: ModelConfig
+    world_size: int
+    device: str
+    dtype: torch.dtype
+    backend: str  # "torch" or "triton", already checked to work here
+    max_model_len: int
+    block_size: int
+    num_blocks: int  # per rank; every rank holds the same number
+    num_threads: int | None
+    heads: list[HeadPartition]
+    ffn: list[Range]
+    vocab: list[Range]
+
+    @property
+    def on_cuda(self) -> bool:
+        return comm.is_cuda(self.device)
+
+    def shard(self, rank: int) -> ShardPlan:
+        return ShardPlan(rank, self.world_size, self.heads[rank], self.ffn[rank], self.vocab)
+
+    def kv_bytes_per_token(self, kv_heads: int) -> int:
+        return 2 * self.model.num_layers * kv_heads * self.model.head_dim * self.dtype.itemsize
+
+
+@dataclass(frozen=True, slots=True)
+class RankInfo:
+    """One rank as built: its slices, its memory, its process."""
+
+    rank: int
+    q_heads: Range
+    kv_heads: Range
+    ffn: Range
+    vocab: Range
+    weight_bytes: int
+    kv_bytes_per_token: int
+    num_blocks: int
+    kv_cache_bytes: int
+    pid: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def make_plan(cfg: EngineConfig, source: str, mc: ModelConfig) -> EnginePlan:
+    """Resolve the settings against the model once; a setting that cannot work fails here."""
+    from engine.rank.backend import select_backend
+
+    try:
+        heads = partition_heads(mc.num_heads, mc.num_kv_heads, cfg.tp)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    backend = select_backend(cfg.attention_backend, cfg.device).name
+    max_model_len = cfg.max_model_len or mc.max_position_embeddings
+    if max_model_len > mc.max_position_embeddings:
+        raise ConfigError(f"max_model_len={cfg.max_model_len} exceeds the model's context of "
+                          f"{mc.max_position_embeddings} tokens; use at most that")
+    # every rank gets as many blocks as the rank with the most KV heads can hold
+    widest = max(h.num_kv_heads for h in heads)
+    dtype = cfg.torch_dtype
+    bytes_per_block = 2 * mc.num_layers * widest * mc.head_dim * dtype.itemsize * cfg.block_size
+    num_blocks = int(cfg.kv_cache_gb * 2**30) // bytes_per_block
+    needed = -(-max_model_len // cfg.block_size)
+    if num_blocks < needed:
+        raise ConfigError(
+            f"kv_cache_gb={cfg.kv_cache_gb} holds {num_blocks} blocks of {cfg.block_size} tokens "
+            f"({num_blocks * cfg.block_size} tokens at {bytes_per_block // cfg.block_size} bytes "
+            f"per token per rank), less than one request of max_model_len={max_model_len} "
+            f"({needed} blocks); raise kv_cache_gb or lower max_model_len")
+    return EnginePlan(source, mc, cfg.tp, cfg.device, dtype, backend, max_model_len,
+                      cfg.block_size, num_blocks, cfg.num_threads, heads,
+                      even_ranges(mc.intermediate_size, cfg.tp), even_ranges(mc.vocab_size, cfg.tp))
