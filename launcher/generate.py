@@ -11,12 +11,22 @@ from rich.table import Table
 from engine import SamplingParams
 from launcher.common import CONF_DIR, llm_from_config
 
-CHAT_TEMPLATE = "<|im_start|>user\n{prompt}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def _prompt(cfg: DictConfig, llm, console: Console) -> str:
+    """The prompt wrapped in the model's chat template, unless chat=false or it has none."""
+    tokenizer = llm.tokenizer
+    if not cfg.chat:
+        return cfg.prompt
+    if tokenizer is None or tokenizer.chat_template is None:
+        console.print("[yellow]this model has no chat template: sending the raw prompt[/]")
+        return cfg.prompt
+    return tokenizer.apply_chat_template([{"role": "user", "content": cfg.prompt}])
 
 
 def run(cfg: DictConfig, console: Console) -> dict:
     with llm_from_config(cfg) as llm:
-        prompt = CHAT_TEMPLATE.format(prompt=cfg.prompt) if cfg.chat else cfg.prompt
+        prompt = _prompt(cfg, llm, console)
         params = SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature,
                                 top_k=cfg.top_k, top_p=cfg.top_p, seed=cfg.seed)
         # one tiny request first, so the figures are the steady state's, not first-call costs
@@ -46,7 +56,9 @@ def _print(console: Console, prompt: str, r: dict) -> None:
     table.add_row("decode", f"{r['decode_tokens_per_s']:.1f} tokens/s")
     table.add_row("finish", r["finish_reason"])
     console.print(table)
-    console.print(f"[bold]{prompt}[/bold]{r['text']}")
+    # a prompt may hold square brackets: print it as text, not as rich markup
+    console.print(prompt, style="bold", end="", markup=False, highlight=False)
+    console.print(r["text"], markup=False, highlight=False)
 
 
 @hydra.main(version_base=None, config_path=CONF_DIR, config_name="generate")

@@ -24,4 +24,4 @@ class GenerateOutput:
     text: str
     ttft_s: float
     cached_tokens: int
-    finish_reason: str  # a FinishReason: "stop", "length" or "cache_full"
+    finish_reason: str  # a FinishReason: "stop" or "length"

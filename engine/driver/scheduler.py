@@ -146,9 +146,6 @@ class Scheduler:
             return FinishReason.STOP
         if len(seq.output_token_ids) >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
-        # the token just sampled needs a slot next step; past the whole pool it can never have one
-        if self.blocks.blocks_for(seq.num_tokens) > self.blocks.num_blocks:
-            return FinishReason.CACHE_FULL
         return None
 
     def abort(self, seqs: list[Sequence], reason: FinishReason = FinishReason.ABORTED) -> None:

@@ -23,8 +23,8 @@ class FinishReason(StrEnum):
     """Why a request stopped; equal to its string value (`reason == "stop"`)."""
 
     STOP = "stop"  # sampled an end-of-sequence token
-    LENGTH = "length"  # reached max_tokens or max_model_len
-    CACHE_FULL = "cache_full"  # the next token's K/V would not fit in the whole KV cache
+    # reached max_tokens or max_model_len (the cache always holds one max_model_len request)
+    LENGTH = "length"
     NONFINITE = "nonfinite"  # the model gave NaN/Inf logits: the request fails
     ERROR = "error"  # sampling raised for this request's settings: the request fails
     ABORTED = "aborted"  # cancelled, or failed with the rest of its step

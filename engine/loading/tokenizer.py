@@ -2,6 +2,7 @@
 vocabulary and merges embedded in a GGUF file."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
@@ -13,9 +14,23 @@ _GGUF_CONTROL_TOKEN = 3
 
 
 class Tokenizer:
-    def __init__(self, backend: HFTokenizer, bos_id: int | None = None):
+    def __init__(self, backend: HFTokenizer, bos_id: int | None = None,
+                 chat_template: str | None = None):
         self.backend = backend
         self.bos_id = bos_id  # prepended by hand when the GGUF asks for it
+        self.chat_template = chat_template  # Jinja, as the model's authors wrote it
+
+    def apply_chat_template(self, messages: list[dict[str, str]],
+                            add_generation_prompt: bool = True) -> str:
+        """The conversation as the text the model was trained to read, e.g. a user turn
+        followed by the start of the assistant's."""
+        if self.chat_template is None:
+            raise ValueError("this model ships no chat template; send the raw prompt")
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        template = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        return template.from_string(self.chat_template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt)
 
     def encode(self, text: str) -> list[int]:
         ids = self.backend.encode(text).ids
@@ -53,7 +68,8 @@ def _from_gguf(ckpt: GGUFCheckpoint) -> Tokenizer:
     types = _field(r, "tokenizer.ggml.token_type") or []
     backend.add_special_tokens([tokens[i] for i, t in enumerate(types) if t == _GGUF_CONTROL_TOKEN])
     add_bos = bool(_field(r, "tokenizer.ggml.add_bos_token"))
-    return Tokenizer(backend, ckpt.config.bos_token_id if add_bos else None)
+    return Tokenizer(backend, ckpt.config.bos_token_id if add_bos else None,
+                     _field(r, "tokenizer.chat_template"))
 
 
 def load_tokenizer(ckpt: Checkpoint) -> Tokenizer | None:
@@ -61,4 +77,8 @@ def load_tokenizer(ckpt: Checkpoint) -> Tokenizer | None:
     if isinstance(ckpt, GGUFCheckpoint):
         return _from_gguf(ckpt)
     path = Path(ckpt.source) / "tokenizer.json"
-    return Tokenizer(HFTokenizer.from_file(str(path))) if path.is_file() else None
+    if not path.is_file():
+        return None
+    config = Path(ckpt.source) / "tokenizer_config.json"
+    template = json.loads(config.read_text()).get("chat_template") if config.is_file() else None
+    return Tokenizer(HFTokenizer.from_file(str(path)), chat_template=template)

@@ -1,0 +1,161 @@
+"""One step loop serves every caller: threads share steps, asyncio requests stream and cancel,
+restart()/shutdown() from another thread end in-flight requests, a request that outgrows the
+whole cache keeps its tokens, a dropped LLM releases its ranks, and a rank error caused by one
+request's settings fails that request alone."""
+from __future__ import annotations
+
+import asyncio
+import gc
+import threading
+import time
+
+import pytest
+
+from engine import LLM, ConfigError, InvalidRequestError, RankFailure, SamplingParams
+from engine.loading.synthetic import random_token_ids
+
+TOKENS = 24
+GREEDY = SamplingParams(max_tokens=TOKENS, ignore_eos=True)
+PROMPTS = [random_token_ids(n, 300, seed=n) for n in (5, 9, 13, 17, 21, 25, 29, 33)]
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_model_dir):
+    return str(tiny_model_dir("llama"))
+
+
+@pytest.fixture(scope="module")
+def expected(llama):
+    with LLM(llama) as llm:
+        return [g.token_ids for g in llm.generate(PROMPTS, GREEDY)]
+
+
+def _steps(llm: LLM) -> int:
+    return len(llm.step_timings())
+
+
+def test_threads_share_steps_like_one_batched_call(llama, expected):
+    with LLM(llama) as llm:
+        llm.generate(PROMPTS, GREEDY)
+        batched = _steps(llm)
+        results: dict[int, list[int]] = {}
+        start = threading.Barrier(len(PROMPTS))
+
+        def one(i: int) -> None:
+            start.wait()
+            results[i] = llm.generate([PROMPTS[i]], GREEDY)[0].token_ids
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(PROMPTS))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        threaded = _steps(llm) - batched
+    assert [results[i] for i in range(len(PROMPTS))] == expected
+    # serialised threads would take ~8x the steps; late arrivals may cost a few more steps
+    assert batched == TOKENS and threaded <= 1.3 * batched, (batched, threaded)
+
+
+@pytest.mark.parametrize("action", ["shutdown", "restart"])
+def test_shutdown_or_restart_from_another_thread_ends_in_flight_requests(llama, expected, action):
+    llm = LLM(llama)
+    long = SamplingParams(max_tokens=200, ignore_eos=True)
+    outcome: list[BaseException] = []
+
+    def request() -> None:
+        try:
+            llm.generate(PROMPTS, long)
+        except BaseException as e:  # noqa: BLE001  the test asserts on it
+            outcome.append(e)
+
+    worker = threading.Thread(target=request)
+    worker.start()
+    while _steps(llm) < 3:  # the request is under way
+        time.sleep(0.01)
+    began = time.monotonic()
+    getattr(llm, action)()
+    worker.join(timeout=30)
+    assert not worker.is_alive() and time.monotonic() - began < 30
+    kind = InvalidRequestError if action == "shutdown" else RankFailure
+    assert len(outcome) == 1 and isinstance(outcome[0], kind), outcome
+    assert ("shut down" if action == "shutdown" else "restarted") in str(outcome[0])
+    if action == "restart":  # the restarted engine serves as before
+        assert llm.generate(PROMPTS[:2], GREEDY)[0].token_ids == expected[0]
+        assert llm.cache_stats()["blocks_used"] == 0
+    else:
+        with pytest.raises(InvalidRequestError, match="shut down"):
+            llm.generate(PROMPTS[:1], GREEDY)
+    llm.shutdown()
+
+
+def test_asyncio_generate_stream_and_cancel(llama, expected):
+    async def main(llm: LLM) -> None:
+        outs = await asyncio.gather(*(llm.generate_async(p, GREEDY) for p in PROMPTS[:3]))
+        assert [o.token_ids for o in outs] == expected[:3]
+        streamed = [t async for t in llm.stream(PROMPTS[3], GREEDY)]
+        assert streamed == expected[3]
+        endless = SamplingParams(max_tokens=10_000, ignore_eos=True)  # stops at max_model_len
+        task = asyncio.create_task(llm.generate_async(PROMPTS[4], endless))
+        await asyncio.sleep(0.02)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        tokens = llm.stream(PROMPTS[5], endless)  # a stream closed early cancels its request
+        assert await tokens.__anext__() == expected[5][0]
+        await tokens.aclose()
+
+    with LLM(llama, max_model_len=256) as llm:
+        asyncio.run(main(llm))
+        # the cancelled request's blocks came back
+        deadline = time.monotonic() + 10
+        while llm.cache_stats()["blocks_used"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert llm.cache_stats()["blocks_used"] == 0
+
+
+def test_a_cache_too_small_for_one_request_is_refused_and_the_longest_keeps_its_tokens(llama):
+    """Once, a prompt that fit but whose output outgrew the whole cache ended in an internal
+    error and lost its tokens. Now the cache must hold one request of max_model_len."""
+    per_block = 2 * 2 * 2 * 16 * 4 * 16  # k+v, 2 layers, 2 KV heads, head dim 16, fp32, 16 slots
+    small = 4 * per_block / 2**30
+    with pytest.raises(ConfigError, match="holds 4 blocks .*max_model_len=256 .*16 blocks"):
+        LLM(llama, kv_cache_gb=small)
+    params = SamplingParams(max_tokens=200, ignore_eos=True)
+    prompt = random_token_ids(40, 300, seed=1)
+    with LLM(llama) as roomy:
+        want = roomy.generate([prompt], params)[0].token_ids
+    with LLM(llama, kv_cache_gb=small, max_model_len=64) as llm:  # the whole pool: 64 slots
+        [out] = llm.generate([prompt], params)
+        assert out.finish_reason == "length" and out.token_ids == want[:64 - 40]
+        assert llm.cache_stats()["blocks_used"] == 0
+
+
+def test_dropped_llm_releases_its_ranks(ray_cluster, llama):
+    """The session cluster has 4 CPUs: two leaked tp=2 engines would leave no room for a third."""
+    for _ in range(2):
+        llm = LLM(llama, tp=2, init_timeout_s=30)
+        llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2))
+        del llm
+        gc.collect()
+    with LLM(llama, tp=2, init_timeout_s=30) as llm:
+        assert llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2))[0].token_ids
+
+
+def test_a_rank_error_from_one_request_fails_it_alone(ray_cluster, tiny_model_dir):
+    """A setting that slips past the driver's checks (here: edited after construction) makes
+    rank 0's sampler raise: at tp=2 that request fails, the group stays whole."""
+    path = str(tiny_model_dir("uneven"))
+    with LLM(path) as ref:
+        want = ref.generate(PROMPTS[:1], GREEDY)[0].token_ids
+    broken = SamplingParams(max_tokens=4, temperature=1.0)
+    broken.temperature = float("nan")  # softmax of NaN: multinomial refuses it
+    with LLM(path, tp=2) as llm:
+        async def both():
+            return await asyncio.gather(llm.generate_async(PROMPTS[1], broken),
+                                        llm.generate_async(PROMPTS[0], GREEDY),
+                                        return_exceptions=True)
+
+        bad, good = asyncio.run(both())
+        assert isinstance(bad, InvalidRequestError) and "sampling failed" in str(bad)
+        assert good.token_ids == want
+        assert llm.generate(PROMPTS[:1], GREEDY)[0].token_ids == want
