@@ -35,6 +35,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"  # auto: triton on CUDA, torch on CPU
     num_threads: int | None = None
+    compile: bool | None = None  # torch.compile the layers; None: on CUDA only (see BENCHMARKS.md)
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":

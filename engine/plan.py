@@ -45,6 +45,7 @@ class EnginePlan:
     block_size: int
     num_blocks: int  # per rank; every rank holds the same number
     num_threads: int | None
+    compile: bool
     heads: list[HeadPartition]
     ffn: list[Range]
     vocab: list[Range]
@@ -74,6 +75,8 @@ class RankInfo:
     num_blocks: int
     kv_cache_bytes: int
     pid: int
+    compiled: bool  # running torch.compile'd layers (False: eager, asked for or fallen back)
+    warmup_s: float  # compilation at start-up
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -105,5 +108,6 @@ def make_plan(cfg: EngineConfig, source: str, mc: ModelConfig) -> EnginePlan:
             f"per token per rank), less than one request of max_model_len={max_model_len} "
             f"({needed} blocks); raise kv_cache_gb or lower max_model_len")
     return EnginePlan(source, mc, cfg.tp, cfg.device, dtype, backend, max_model_len,
-                      cfg.block_size, num_blocks, cfg.num_threads, heads,
+                      cfg.block_size, num_blocks, cfg.num_threads,
+                      cfg.device != "cpu" if cfg.compile is None else cfg.compile, heads,
                       even_ranges(mc.intermediate_size, cfg.tp), even_ranges(mc.vocab_size, cfg.tp))

@@ -17,6 +17,7 @@ from engine.observe.tracer import OpTracer
 from engine.plan import EnginePlan, RankInfo
 from engine.rank.attention import AttentionMetadata, StepContext
 from engine.rank.backend import select_backend
+from engine.rank.compiled import CompiledLayers, warm_up
 from engine.rank.kv_cache import KVCache
 from engine.rank.model import CausalLM
 from engine.rank.sampler import sample
@@ -57,6 +58,19 @@ class Worker:
         self.uniform_groups = mapping == [h // group for h in range(len(mapping))]
         self.sampler = Sampler()
         self._tracer: OpTracer | None = None
+        self.compiled: CompiledLayers | None = None
+        self.warmup_s = 0.0
+        if plan.compile:
+            self.compiled = CompiledLayers(self.model)
+            self.warmup_s = warm_up(self.compiled, self._warm_up_step)
+
+    def _warm_up_step(self, num_tokens: int, start: int) -> None:
+        """A step on made-up tokens in block 0, which no request holds yet (its slots are
+        overwritten when a request gets the block). Every rank runs it at once (SPMD)."""
+        positions = list(range(start, start + num_tokens))
+        blocks = list(range(-(-(start + num_tokens) // self.plan.block_size)))
+        self.execute(Batch([0] * num_tokens, positions, [0, num_tokens], [start + num_tokens],
+                           positions, [blocks], [num_tokens - 1], [SamplingSpec()]))
 
     def _load(self, ckpt: Checkpoint) -> None:
         """Every tensor the model needs, each exactly as expected, and no tensor left over."""
@@ -84,7 +98,8 @@ class Worker:
         return RankInfo(self.rank, heads.q_heads, heads.kv_heads, self.shard.ffn, self.shard.vocab,
                         sum(p.numel() * p.element_size() for p in self.model.parameters()),
                         self.plan.kv_bytes_per_token(heads.num_kv_heads), self.cache.num_blocks,
-                        self.cache.nbytes, os.getpid())
+                        self.cache.nbytes, os.getpid(),
+                        self.compiled is not None and self.compiled.usable, self.warmup_s)
 
     def execute(self, batch: Batch) -> StepResult | None:
         dev, start, collective_before = self.device, time.perf_counter(), comm.CLOCK.seconds
@@ -137,6 +152,8 @@ class Worker:
         return {"rank": self.rank, "resident_bytes": pages * os.sysconf("SC_PAGE_SIZE")}
 
     def start_tracing(self) -> None:
+        if self.compiled is not None:  # the tracer's hooks observe the eager model
+            self.compiled.set(False)
         self._tracer = OpTracer(self.rank, self.device, {"": self.model, "sampler": self.sampler})
         self._tracer.__enter__()
 
@@ -146,6 +163,8 @@ class Worker:
         if tracer is None:
             return []
         tracer.__exit__(None, None, None)
+        if self.compiled is not None:
+            self.compiled.set(True)
         return [r.to_dict() for r in tracer.records]
 
     def read_kv(self, layer: int, block_table: list[int], length: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,70 @@
+"""compile=True gives the eager engine's answers: logits and greedy tokens, with chunked
+prefill, prefix hits and steps that mix prompts and decodes; a setup where compiling fails
+falls back to eager with a warning."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.loading.synthetic import random_token_ids
+
+SHARED = random_token_ids(32, 300, seed=3)
+PROMPTS = [SHARED + random_token_ids(n, 300, seed=n) for n in (5, 23)] + \
+          [random_token_ids(n, 300, seed=n) for n in (1, 40, 71)]
+GREEDY = SamplingParams(max_tokens=32, ignore_eos=True)
+SETTINGS = dict(max_num_batched_tokens=48)  # the 71-token prompt runs in two chunks
+
+
+def _run(llm: LLM) -> tuple[list[torch.Tensor], list[list[int]]]:
+    logits = [o.logits for o in llm.prefill(PROMPTS)]  # the second prompt hits the first's prefix
+    return logits, [g.token_ids for g in llm.generate(PROMPTS, GREEDY)]  # mixed steps
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_model_dir):
+    path = str(tiny_model_dir("llama"))
+    with LLM(path, compile=False, **SETTINGS) as eager:
+        return path, _run(eager)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_compiled_matches_eager(request, llama, tp):
+    if tp > 1:
+        request.getfixturevalue("ray_cluster")
+    path, (want_logits, want_tokens) = llama
+    with LLM(path, tp=tp, compile=True, **SETTINGS) as llm:
+        assert all(info.compiled and info.warmup_s > 0 for info in llm.rank_info())
+        logits, tokens = _run(llm)
+        assert llm.cache_stats()["prefix_hit_tokens"] > 0
+        with llm.tracing() as records:  # the walkthrough's path: eager, hooks see every op
+            llm.prefill([PROMPTS[3]])
+        assert {"qkv_proj", "attention", "down_proj"} <= {r["name"] for r in records}
+        assert [g.token_ids for g in llm.generate(PROMPTS[:2], GREEDY)] == want_tokens[:2]
+    for got, want in zip(logits, want_logits):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert tokens == want_tokens
+
+
+def test_compile_failure_falls_back_to_eager(llama, caplog):
+    """No working C++ compiler for inductor's CPU code: the engine warns and runs eagerly."""
+    import torch._dynamo
+    import torch._inductor.config as inductor
+
+    path, (want_logits, want_tokens) = llama
+    torch._dynamo.reset()  # compile afresh, with the broken compiler
+    saved = inductor.cpp.cxx
+    inductor.cpp.cxx = ("/nonexistent/c++",)
+    try:
+        with caplog.at_level(logging.WARNING, logger="engine"):
+            with LLM(path, compile=True, **SETTINGS) as llm:
+                assert not llm.rank_info()[0].compiled
+                logits, tokens = _run(llm)
+    finally:
+        inductor.cpp.cxx = saved
+        torch._dynamo.reset()
+    assert "running eagerly instead" in caplog.text
+    assert tokens == want_tokens
+    torch.testing.assert_close(logits[0], want_logits[0], atol=1e-5, rtol=1e-5)
