@@ -12,7 +12,7 @@ from engine.errors import ConfigError, InvalidRequestError, NumericalError, Rank
 from engine.driver.executor import make_executors
 from engine.driver.prompts import Prompt, PromptLimits, as_prompt_list, prompt_token_ids
 from engine.driver.outputs import GenerateOutput, PrefillOutput
-from engine.driver.sampling_params import SamplingParams
+from engine.driver.sampling_params import SamplingParams, check_params
 from engine.driver.replica import Replica, StepTiming
 from engine.driver.sequence import Sequence
 from engine.loading.tokenizer import load_tokenizer
@@ -75,7 +75,7 @@ class LLM:
 
     def generate(self, prompts: Prompt | Seq[Prompt],
                  params: SamplingParams | None = None) -> list[GenerateOutput]:
-        seqs = self._submit(prompts, params or SamplingParams())
+        seqs = self._submit(prompts, check_params(params))
         self._run(seqs)
         return [GenerateOutput(s.prompt_token_ids, s.output_token_ids,
                                self._text(s.output_token_ids), s.first_token_time - s.arrival_time,
