@@ -230,7 +230,7 @@ def _drop(key):
 
 @pytest.mark.parametrize("edit, match", [
     (lambda cfg: json.dumps(cfg)[:-7], r"config.json.*not valid JSON.*line"),
-    (lambda cfg: "[1, 2]", r"config.json.*JSON object.*list"),
+    (lambda cfg: "[1, 2]", r"config.json.*JSON list, not the JSON object"),
     (_set(num_attention_heads=0), r"config.json.*num_attention_heads=0.*positive"),
     (_set(hidden_size="64"), r"config.json.*hidden_size='64'.*integer"),
     (_set(hidden_size=-64), r"config.json.*hidden_size=-64"),
@@ -240,8 +240,12 @@ def _drop(key):
     (_set(num_attention_heads=5, num_key_value_heads=5), r"hidden_size=64.*num_attention_heads=5"),
     (_set(head_dim=7), r"head_dim=7.*even"),
     (_set(rms_norm_eps=-1.0), r"rms_norm_eps=-1\.0"),
-    (_set(rope_theta="big"), r"rope_theta='big'"),
-    (_set(rope_scaling=[1, 2]), r"rope_scaling=\[1, 2\].*object"),
+    (_set(rope_parameters={"rope_theta": "big"}), r"rope_theta='big'"),
+    (_set(rope_parameters=None, rope_theta=0.0), r"rope_theta=0\.0"),
+    (_set(rope_parameters=[1, 2]), r"rope_parameters=\[1, 2\].*object"),
+    (_set(rope_parameters=None, rope_scaling="x"), r"rope_scaling='x'.*object"),
+    (_set(tie_word_embeddings="false"), r"tie_word_embeddings='false'.*true or false"),
+    (_set(num_key_value_heads=0), r"num_key_value_heads=0"),
     (_set(eos_token_id="x"), r"eos_token_id='x'"),
     (_set(max_position_embeddings=0), r"max_position_embeddings=0"),
     (_drop("num_attention_heads"), r"config.json.*lacks required key 'num_attention_heads'"),
@@ -250,6 +254,23 @@ def test_corrupt_hf_config(tiny_model_dir, tmp_path, edit, match):
     from engine.loading.checkpoint import open_checkpoint
 
     path = _with_config(tiny_model_dir("qwen2"), tmp_path / "m", edit)
+    with pytest.raises(ModelLoadError, match=match):
+        open_checkpoint(str(path))
+
+
+def _llama3_rope(**kv):
+    return lambda cfg: json.dumps({**cfg, "rope_parameters": {**cfg["rope_parameters"], **kv}})
+
+
+@pytest.mark.parametrize("edit, match", [
+    (_llama3_rope(factor=0), r"config.json \(rope_parameters\): factor=0"),
+    (_llama3_rope(low_freq_factor=None), r"lacks required key 'low_freq_factor'"),
+    (_llama3_rope(original_max_position_embeddings=64.5), r"original_max_position_embeddings=64\.5"),
+])
+def test_corrupt_llama3_rope(tiny_model_dir, tmp_path, edit, match):
+    from engine.loading.checkpoint import open_checkpoint
+
+    path = _with_config(tiny_model_dir("llama"), tmp_path / "m", edit)
     with pytest.raises(ModelLoadError, match=match):
         open_checkpoint(str(path))
 
