@@ -68,7 +68,7 @@ def _read_json(path: Path):
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
-        raise ModelLoadError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}, column "
+        raise ModelLoadError(f"{path}: not valid JSON ({e.msg}: line {e.lineno}, column "
                              f"{e.colno}); fix the file or fetch it again") from None
     except (UnicodeDecodeError, OSError) as e:
         raise ModelLoadError(f"{path}: cannot be read as UTF-8 text ({e})") from None
