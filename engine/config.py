@@ -57,6 +57,8 @@ class EngineConfig:
     def validate(self) -> None:
         """Raise ConfigError naming the first bad setting and its fix. Types are checked too
         (a bool is not an int, text is not a number): Hydra and kwargs pass values unconverted."""
+        if isinstance(self.model, os.PathLike):  # a pathlib.Path names a checkpoint as well
+            self.model = os.fspath(self.model)
         _require(isinstance(self.model, str) and self.model != "",
                  f"model={self.model!r}: name an alias, an HF-style directory or a .gguf file")
         for name in ("tp", "dp", "block_size", "max_num_batched_tokens", "max_num_seqs"):
@@ -72,9 +74,10 @@ class EngineConfig:
         for name in ("ray_address", "socket_ifname"):
             value = getattr(self, name)
             _require(value is None or isinstance(value, str), f"{name}={value!r}: use None or text")
-        _require(self.executor in ("auto", "ray"), f"executor={self.executor!r}: use 'auto' or 'ray'")
+        _require(self.executor in ("auto", "ray"),
+                 f"executor={self.executor!r}: use 'auto' or 'ray'")
         _check_device(self.device)
-        _require(self.dtype is None or self.dtype in DTYPES,
+        _require(self.dtype is None or (isinstance(self.dtype, str) and self.dtype in DTYPES),
                  f"dtype={self.dtype!r}: use one of {sorted(DTYPES)}")
         _positive_number("kv_cache_gb", self.kv_cache_gb, "GiB per rank")
         _check_memory(self.kv_cache_gb, self.device)

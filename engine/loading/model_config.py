@@ -180,12 +180,11 @@ def from_gguf_metadata(meta: dict[str, Any], has_output_tensor: bool, source: st
     hidden, heads, kv_heads, head_dim = _head_layout(
         f, p + "embedding_length", p + "attention.head_count", p + "attention.head_count_kv",
         p + "attention.key_length")
-    vocab = meta.get(p + "vocab_size") or len(f.get("tokenizer.ggml.tokens"))
     return ModelConfig(
         architecture=arch, hidden_size=hidden, num_layers=f.int(p + "block_count"),
         num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
         intermediate_size=f.int(p + "feed_forward_length"),
-        vocab_size=f.check_int(p + "vocab_size", vocab),
+        vocab_size=f.int(p + "vocab_size"),
         rms_norm_eps=f.number(p + "attention.layer_norm_rms_epsilon"),
         rope_theta=f.number(p + "rope.freq_base", 10000.0),
         max_position_embeddings=f.int(p + "context_length", 2048),
