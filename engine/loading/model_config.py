@@ -63,10 +63,10 @@ class _Fields:
             return default
         return value
 
-    def int(self, key: str, default: Any = _REQUIRED, minimum: int = 1) -> Any:
-        return self.check_int(key, self.get(key, default), minimum)
+    def integer(self, key: str, default: Any = _REQUIRED, minimum: int = 1) -> Any:
+        return self.check_integer(key, self.get(key, default), minimum)
 
-    def check_int(self, key: str, value: Any, minimum: int = 1) -> Any:
+    def check_integer(self, key: str, value: Any, minimum: int = 1) -> Any:
         if value is None:
             return None
         if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < minimum:
@@ -90,15 +90,15 @@ class _Fields:
     def token_ids(self, key: str) -> list[int]:
         value = self.get(key, [])
         values = list(value) if isinstance(value, (list, tuple)) else [value]
-        return [self.check_int(key if len(values) == 1 else f"{key}[{i}]", v, 0)
+        return [self.check_integer(key if len(values) == 1 else f"{key}[{i}]", v, 0)
                 for i, v in enumerate(values)]
 
 
 def _head_layout(f: _Fields, hidden: str, heads: str, kv_heads: str,
                  head_dim: str) -> tuple[int, int, int, int]:
     """(hidden size, query heads, KV heads, head dim), consistent with one another."""
-    d, h = f.int(hidden), f.int(heads)
-    kv, hd = f.int(kv_heads, h), f.int(head_dim, None)
+    d, h = f.integer(hidden), f.integer(heads)
+    kv, hd = f.integer(kv_heads, h), f.integer(head_dim, None)
     if h % kv:
         raise f.error(f"{heads}={h} is not a multiple of {kv_heads}={kv}; grouped-query "
                       f"attention needs every KV head to serve the same number of query heads")
@@ -115,8 +115,8 @@ def _head_layout(f: _Fields, hidden: str, heads: str, kv_heads: str,
 def _context_length(f: _Fields, arch: str) -> int:
     """Positions the engine serves. It implements full causal attention only, so a model with
     sliding-window attention is served up to its window, where the two still agree."""
-    length = f.int("max_position_embeddings", 2048)
-    window = f.int("sliding_window", None)
+    length = f.integer("max_position_embeddings", 2048)
+    window = f.integer("sliding_window", None)
     if f.flag("use_sliding_window", arch == "mistral") and window:
         length = min(length, window)
     return length
@@ -135,7 +135,7 @@ def _rope(f: _Fields) -> tuple[dict[str, Any], str]:
         r = _Fields(rope, f"{f.source} ({key})")
         for name in ("factor", "low_freq_factor", "high_freq_factor"):
             r.number(name)
-        r.int("original_max_position_embeddings")
+        r.integer("original_max_position_embeddings")
     return rope, rope_type
 
 
@@ -155,16 +155,16 @@ def from_hf_config(cfg: dict[str, Any], source: str) -> ModelConfig:
     rope, rope_type = _rope(f)
     theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
     return ModelConfig(
-        architecture=arch, hidden_size=hidden, num_layers=f.int("num_hidden_layers"),
+        architecture=arch, hidden_size=hidden, num_layers=f.integer("num_hidden_layers"),
         num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
-        intermediate_size=f.int("intermediate_size"), vocab_size=f.int("vocab_size"),
+        intermediate_size=f.integer("intermediate_size"), vocab_size=f.integer("vocab_size"),
         rms_norm_eps=f.number("rms_norm_eps", 1e-6),
         rope_theta=f.number("rope_theta", value=theta),
         max_position_embeddings=_context_length(f, arch),
         tie_word_embeddings=f.flag("tie_word_embeddings", False),
         qkv_bias=arch == "qwen2" or f.flag("attention_bias", False),
         rope_scaling=dict(rope) if rope_type == "llama3" else None,
-        bos_token_id=f.int("bos_token_id", None, minimum=0),
+        bos_token_id=f.integer("bos_token_id", None, minimum=0),
         eos_token_ids=f.token_ids("eos_token_id"),
     )
 
@@ -181,15 +181,15 @@ def from_gguf_metadata(meta: dict[str, Any], has_output_tensor: bool, source: st
         f, p + "embedding_length", p + "attention.head_count", p + "attention.head_count_kv",
         p + "attention.key_length")
     return ModelConfig(
-        architecture=arch, hidden_size=hidden, num_layers=f.int(p + "block_count"),
+        architecture=arch, hidden_size=hidden, num_layers=f.integer(p + "block_count"),
         num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
-        intermediate_size=f.int(p + "feed_forward_length"),
-        vocab_size=f.int(p + "vocab_size"),
+        intermediate_size=f.integer(p + "feed_forward_length"),
+        vocab_size=f.integer(p + "vocab_size"),
         rms_norm_eps=f.number(p + "attention.layer_norm_rms_epsilon"),
         rope_theta=f.number(p + "rope.freq_base", 10000.0),
-        max_position_embeddings=f.int(p + "context_length", 2048),
+        max_position_embeddings=f.integer(p + "context_length", 2048),
         tie_word_embeddings=not has_output_tensor,
         qkv_bias=arch == "qwen2",
-        bos_token_id=f.int("tokenizer.ggml.bos_token_id", None, minimum=0),
+        bos_token_id=f.integer("tokenizer.ggml.bos_token_id", None, minimum=0),
         eos_token_ids=f.token_ids("tokenizer.ggml.eos_token_id"),
     )
