@@ -2,6 +2,9 @@
 are the keyword arguments of `LLM(...)`."""
 from __future__ import annotations
 
+import math
+import os
+import re
 from dataclasses import dataclass, fields
 
 import torch
@@ -53,18 +56,34 @@ class EngineConfig:
         return DTYPES[name]
 
     def validate(self) -> None:
-        _require(isinstance(self.tp, int) and self.tp >= 1, f"tp={self.tp!r}: use a positive integer")
-        _require(isinstance(self.dp, int) and self.dp >= 1, f"dp={self.dp!r}: use a positive integer")
-        _require(self.executor in ("auto", "ray"), f"executor={self.executor!r}: use 'auto' or 'ray'")
-        _require(self.device == "cpu" or self.device.startswith("cuda"),
-                 f"device={self.device!r}: use 'cpu' or 'cuda'")
-        _require(self.dtype is None or self.dtype in DTYPES,
+        """Raise ConfigError naming the first bad setting and its fix. Types are checked too
+        (a bool is not an int, text is not a number): Hydra and kwargs pass values unconverted."""
+        if isinstance(self.model, os.PathLike):  # a pathlib.Path names a checkpoint as well
+            self.model = os.fspath(self.model)
+        _require(isinstance(self.model, str) and self.model != "",
+                 f"model={self.model!r}: name an alias, an HF-style directory or a .gguf file")
+        for name in ("tp", "dp", "block_size", "max_num_batched_tokens", "max_num_seqs"):
+            _positive_int(name, getattr(self, name))
+        for name in ("max_model_len", "num_threads"):
+            if getattr(self, name) is not None:
+                _positive_int(name, getattr(self, name), "None (the default) or ")
+        for name in ("init_timeout_s", "step_timeout_s", "collective_timeout_s"):
+            _positive_number(name, getattr(self, name), "seconds")
+        for name in ("retry_on_rank_failure", "enable_prefix_caching"):
+            _require(isinstance(getattr(self, name), bool),
+                     f"{name}={getattr(self, name)!r}: use True or False")
+        _require(self.compile is None or isinstance(self.compile, bool),
+                 f"compile={self.compile!r}: use True, False or None (on CUDA only)")
+        for name in ("ray_address", "socket_ifname"):
+            value = getattr(self, name)
+            _require(value is None or isinstance(value, str), f"{name}={value!r}: use None or text")
+        _require(self.executor in ("auto", "ray"),
+                 f"executor={self.executor!r}: use 'auto' or 'ray'")
+        _check_device(self.device)
+        _require(self.dtype is None or (isinstance(self.dtype, str) and self.dtype in DTYPES),
                  f"dtype={self.dtype!r}: use one of {sorted(DTYPES)}")
-        _require(self.block_size >= 1, f"block_size={self.block_size}: use a positive integer")
-        _require(self.kv_cache_gb > 0, f"kv_cache_gb={self.kv_cache_gb}: use a positive size")
-        _require(self.max_num_batched_tokens >= 1,
-                 f"max_num_batched_tokens={self.max_num_batched_tokens}: use a positive integer")
-        _require(self.max_num_seqs >= 1, f"max_num_seqs={self.max_num_seqs}: use a positive integer")
+        _positive_number("kv_cache_gb", self.kv_cache_gb, "GiB per rank")
+        _check_memory(self.kv_cache_gb, self.device)
         _require(self.attention_backend in ("auto", "torch", "triton"),
                  f"attention_backend={self.attention_backend!r}: use 'auto', 'torch' or 'triton'")
 
@@ -72,3 +91,45 @@ class EngineConfig:
 def _require(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
+
+
+def _positive_int(name: str, value, also: str = "") -> None:
+    kind = " is a bool" if isinstance(value, bool) else ""
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
+    _require(ok, f"{name}={value!r}{kind}: use {also}a positive integer")
+
+
+def _positive_number(name: str, value, unit: str) -> None:
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    _require(number, f"{name}={value!r} is a {type(value).__name__}: use a number of {unit}")
+    _require(math.isfinite(value) and value > 0,
+             f"{name}={value!r}: use a positive, finite number of {unit}")
+
+
+def _check_device(device) -> None:
+    ok = isinstance(device, str) and (device == "cpu" or re.fullmatch(r"cuda(:\d+)?", device))
+    _require(bool(ok), f"device={device!r}: use 'cpu', 'cuda' or 'cuda:N'")
+    if device == "cpu":
+        return
+    _require(torch.cuda.is_available(),
+             f"device={device!r}, but CUDA is not available to this torch "
+             f"({torch.__version__}); use device='cpu' or a CUDA build of torch on a GPU machine")
+    index, count = int(device.partition(":")[2] or 0), torch.cuda.device_count()
+    _require(index < count, f"device={device!r}: this machine has {count} CUDA device(s)")
+
+
+def _memory_gib(device: str) -> float:
+    """This machine's total memory for `device`: RAM for the CPU, the GPU's own for CUDA."""
+    if device.startswith("cuda"):
+        index = int(device.partition(":")[2] or 0)
+        return torch.cuda.get_device_properties(index).total_memory / 2**30
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+
+
+def _check_memory(kv_cache_gb: float, device: str) -> None:
+    # checked against the driver's machine: ranks on other nodes are assumed alike; a cache that
+    # large would be overcommitted and killed mid-request instead of refused here
+    total = _memory_gib(device)
+    _require(kv_cache_gb < total,
+             f"kv_cache_gb={kv_cache_gb} per rank, but this machine has {total:.1f} GiB of "
+             f"memory ({device}); use less, leaving room for the weights")

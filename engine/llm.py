@@ -18,7 +18,7 @@ from engine.driver.executor import make_executors
 from engine.driver.outputs import GenerateOutput, PrefillOutput
 from engine.driver.prompts import Prompt, PromptLimits, as_prompt_list, prompt_token_ids
 from engine.driver.replica import Replica, StepTiming
-from engine.driver.sampling_params import SamplingParams
+from engine.driver.sampling_params import SamplingParams, check_params
 from engine.driver.sequence import Sequence
 from engine.errors import InvalidRequestError
 from engine.loading.checkpoint import open_checkpoint
@@ -197,9 +197,7 @@ class LLM:
 
     def _sequences(self, prompts, params: SamplingParams | None,
                    keep_first_logits: bool = False) -> list[Sequence]:
-        params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}")
+        params = check_params(params)
         return [Sequence(self.tokenize(p), params, keep_first_logits=keep_first_logits)
                 for p in as_prompt_list(prompts)]
 

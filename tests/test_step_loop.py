@@ -141,21 +141,37 @@ def test_dropped_llm_releases_its_ranks(ray_cluster, llama):
         assert llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2))[0].token_ids
 
 
-def test_a_rank_error_from_one_request_fails_it_alone(ray_cluster, tiny_model_dir):
-    """A setting that slips past the driver's checks (here: edited after construction) makes
-    rank 0's sampler raise: at tp=2 that request fails, the group stays whole."""
-    path = str(tiny_model_dir("uneven"))
-    with LLM(path) as ref:
-        want = ref.generate(PROMPTS[:1], GREEDY)[0].token_ids
-    broken = SamplingParams(max_tokens=4, temperature=1.0)
-    broken.temperature = float("nan")  # softmax of NaN: multinomial refuses it
-    with LLM(path, tp=2) as llm:
-        async def both():
-            return await asyncio.gather(llm.generate_async(PROMPTS[1], broken),
-                                        llm.generate_async(PROMPTS[0], GREEDY),
-                                        return_exceptions=True)
+def test_a_rank_error_from_one_request_fails_it_alone(tiny_model_dir):
+    """The driver refuses every bad setting it knows of; should sampling still raise on rank 0
+    for one request's spec, the worker reports that row and samples the others (at TP>1 a raise
+    on rank 0 alone would read as a broken group), and the driver fails that request alone."""
+    from engine.batch import Batch, SamplingSpec
+    from engine.config import EngineConfig
+    from engine.driver.block_manager import BlockManager
+    from engine.driver.engine_core import _resolve
+    from engine.driver.scheduler import Scheduler
+    from engine.driver.sequence import FinishReason, Sequence
+    from engine.loading.checkpoint import open_checkpoint
+    from engine.plan import make_plan
+    from engine.rank.worker import Worker
 
-        bad, good = asyncio.run(both())
-        assert isinstance(bad, InvalidRequestError) and "sampling failed" in str(bad)
-        assert good.token_ids == want
-        assert llm.generate(PROMPTS[:1], GREEDY)[0].token_ids == want
+    path = str(tiny_model_dir("uneven"))
+    ckpt = open_checkpoint(path)
+    worker = Worker(make_plan(EngineConfig(model=path), path, ckpt.config), checkpoint=ckpt)
+    blocks = BlockManager(worker.plan.num_blocks, 16)
+    scheduler = Scheduler(blocks, 64, 8, 256, [])
+    seqs = [Sequence(p, GREEDY) for p in PROMPTS[:3]]
+    for seq in seqs:
+        scheduler.add(seq)
+    scheduled = scheduler.schedule()
+    batch = scheduler.build_batch(scheduled)
+    batch.sampling[1] = SamplingSpec(temperature=1.0, seed=1.5)  # a float seed has no bytes
+    result = worker.execute(batch)
+    assert list(result.row_errors) == [1] and "AttributeError" in result.row_errors[1]
+    scheduler.postprocess(scheduled, result.token_ids, None, set(), result.row_errors)
+    for seq in seqs:
+        _resolve(seq)
+    assert seqs[1].finish_reason is FinishReason.ERROR
+    with pytest.raises(InvalidRequestError, match="sampling failed"):
+        seqs[1].future.result()
+    assert seqs[0].finish_reason is None and seqs[0].output_token_ids  # the others sampled

@@ -2,6 +2,7 @@
 token-id lists, before anything reaches a rank."""
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 from engine.errors import InvalidRequestError
@@ -24,8 +25,8 @@ class PromptLimits:
 def as_prompt_list(prompts) -> list[Prompt]:
     if isinstance(prompts, str):
         return [prompts]
-    if isinstance(prompts, (list, tuple)) and prompts and all(isinstance(t, int) for t in prompts):
-        return [list(prompts)]  # one prompt given as token ids
+    if isinstance(prompts, (list, tuple)) and prompts and all(_is_number(t) for t in prompts):
+        return [list(prompts)]  # one prompt given as token ids (each checked later)
     if isinstance(prompts, (list, tuple)):
         if not prompts:
             raise InvalidRequestError("no prompts given")
@@ -34,14 +35,46 @@ def as_prompt_list(prompts) -> list[Prompt]:
                               f"got {type(prompts).__name__}")
 
 
+def _is_number(x) -> bool:
+    return isinstance(x, numbers.Number)  # bools and floats too, to be refused by name later
+
+
+def _checked_ids(prompt) -> list[int]:
+    """Token ids as plain ints (numpy integers too); a bool or float is named, not cast."""
+    ids = []
+    for i, t in enumerate(prompt):
+        fractional = isinstance(t, numbers.Real) and not isinstance(t, numbers.Integral)
+        if isinstance(t, bool) or fractional:
+            kind = "bool" if isinstance(t, bool) else "float"
+            raise InvalidRequestError(
+                f"a prompt must be a string or a list of int token ids; token id {t!r} at "
+                f"position {i} is a {kind}: pass ints (e.g. int(t) for whole-number floats)")
+        if not isinstance(t, numbers.Integral):
+            raise InvalidRequestError(
+                f"a prompt must be a string or a list of int token ids; item {i} is "
+                f"{type(t).__name__} {t!r}")
+        ids.append(int(t))
+    return ids
+
+
+def _text_ids(text: str, tokenizer: Tokenizer | None, model: str) -> list[int]:
+    if tokenizer is None:
+        raise InvalidRequestError(f"{model} ships no tokenizer; pass token ids")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:  # the tokenizer would raise a bare TypeError
+        raise InvalidRequestError(
+            f"prompt text has a lone surrogate {text[e.start]!r} at position {e.start}, which "
+            f"is not valid UTF-8; decode the source with errors='replace' or remove it") from None
+    return tokenizer.encode(text)
+
+
 def prompt_token_ids(prompt: Prompt, tokenizer: Tokenizer | None, limits: PromptLimits) -> list[int]:
     """The prompt's token ids, checked against the vocabulary, the context and the cache."""
     if isinstance(prompt, str):
-        if tokenizer is None:
-            raise InvalidRequestError(f"{limits.model} ships no tokenizer; pass token ids")
-        ids = tokenizer.encode(prompt)
-    elif isinstance(prompt, (list, tuple)) and all(isinstance(t, int) for t in prompt):
-        ids = list(prompt)
+        ids = _text_ids(prompt, tokenizer, limits.model)
+    elif isinstance(prompt, (list, tuple)):
+        ids = _checked_ids(prompt)
     else:
         raise InvalidRequestError(
             f"a prompt must be a string or a list of int token ids, got {type(prompt).__name__}")

@@ -64,6 +64,16 @@ class Checkpoint:
                                  f"the file may be truncated or corrupt") from e
 
 
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ModelLoadError(f"{path}: not valid JSON ({e.msg}: line {e.lineno}, column "
+                             f"{e.colno}); fix the file or fetch it again") from None
+    except (UnicodeDecodeError, OSError) as e:
+        raise ModelLoadError(f"{path}: cannot be read as UTF-8 text ({e})") from None
+
+
 class SafetensorsCheckpoint(Checkpoint):
     def __init__(self, directory: Path):
         from safetensors import safe_open
@@ -73,7 +83,7 @@ class SafetensorsCheckpoint(Checkpoint):
         if not cfg_path.is_file():
             raise ModelLoadError(f"{directory} has no config.json; an HF-style model directory "
                                  f"needs config.json beside its *.safetensors files")
-        self.config = from_hf_config(json.loads(cfg_path.read_text()), self.source)
+        self.config = from_hf_config(_read_json(cfg_path), str(cfg_path))
         files = sorted(directory.glob("*.safetensors"))
         if not files:
             raise ModelLoadError(f"{directory} has no *.safetensors files")
