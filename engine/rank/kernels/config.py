@@ -39,11 +39,14 @@ INTERPRETER_DEFAULTS = KernelDefaults(prefill_block_m=16, prefill_block_n=16,
                                       decode_min_split=16)
 
 # The autotuner's search space for the flash prefill on Hopper-class GPUs (block_m, block_n,
-# warps, stages). GPU_DEFAULTS comes first; configs over the shared-memory limit are skipped by
-# the autotuner itself (it catches the out-of-resources error of that config).
-PREFILL_TUNE_SPACE = [(m, n, w, s) for m, n, w in ((128, 64, 8), (128, 64, 4), (64, 64, 4),
-                                                    (128, 128, 8), (64, 128, 4), (128, 32, 4))
-                      for s in (2, 3, 4)]
+# warps, stages), GPU_DEFAULTS first. Configs over the shared-memory limit are skipped by the
+# autotuner itself (it catches that config's out-of-resources error).
+_DEFAULT_TILE = (GPU_DEFAULTS.prefill_block_m, GPU_DEFAULTS.prefill_block_n,
+                 GPU_DEFAULTS.prefill_num_warps, GPU_DEFAULTS.prefill_num_stages)
+PREFILL_TUNE_SPACE = [_DEFAULT_TILE] + [
+    (m, n, w, s) for m, n, w in ((128, 64, 8), (128, 64, 4), (64, 64, 4), (128, 128, 8),
+                                 (64, 128, 4), (128, 32, 4))
+    for s in (2, 3, 4) if (m, n, w, s) != _DEFAULT_TILE]
 
 
 def defaults_for(device: torch.device | str) -> KernelDefaults:

@@ -68,13 +68,20 @@ def _group_rows(kv_head_of_q: list[int]) -> tuple[int, list[list[int]]]:
 
 def decode_kv_per_split(device: torch.device, defaults: KernelDefaults, num_seqs: int,
                         num_kv_heads: int, max_kv: int) -> int:
-    """Keys per decode split: about two programs per SM, no split under decode_min_split keys
-    (shorter ones cost more in partial writes and merging than they win in parallelism), and
-    always a multiple of decode_block_n. The interpreter gains nothing from splits: one."""
-    block_n = defaults.decode_block_n
+    """Keys per decode split on `device`. The interpreter gains nothing from splits: one."""
     if device.type != "cuda":
-        return max(block_n, triton.cdiv(max_kv, block_n) * block_n)
-    splits = triton.cdiv(2 * sm_count(device.index or 0), max(1, num_seqs * num_kv_heads))
+        return max(defaults.decode_block_n,
+                   triton.cdiv(max_kv, defaults.decode_block_n) * defaults.decode_block_n)
+    return split_length(sm_count(device.index or 0), defaults, num_seqs, num_kv_heads, max_kv)
+
+
+def split_length(sms: int, defaults: KernelDefaults, num_seqs: int, num_kv_heads: int,
+                 max_kv: int) -> int:
+    """About two split programs per SM, no split under decode_min_split keys (shorter ones cost
+    more in partial writes and merging than they win in parallelism), and always a multiple of
+    decode_block_n, so no split loads a masked tile it did not need."""
+    block_n = defaults.decode_block_n
+    splits = triton.cdiv(2 * sms, max(1, num_seqs * num_kv_heads))
     per_split = triton.cdiv(triton.cdiv(max_kv, splits), block_n) * block_n
     return max(defaults.decode_min_split, per_split)
 
