@@ -10,6 +10,7 @@
 #
 #   bash scripts/gpu_check.sh                 # on the GPU machine, from anywhere
 #   bash scripts/gpu_check.sh --cpu-dry-run   # here: same steps, tiny sizes, Triton interpreted
+#   GPU_CHECK_PY=/work/main/.venv/bin/python bash scripts/gpu_check.sh --cpu-dry-run  # an existing venv
 #
 # Everything printed also goes to $OUT/gpu_check.log when OUT is set (the device tool's folder).
 # A failed step is reported and the rest still run, so one run shows as much as it can; the exit
@@ -24,7 +25,7 @@ SETUP_S=${GPU_CHECK_SETUP_S:-40} INFO_S=${GPU_CHECK_INFO_S:-20}
 TESTS_S=${GPU_CHECK_TESTS_S:-130} BENCH_S=${GPU_CHECK_BENCH_S:-260}
 KERNEL_TESTS=(tests/test_kernels.py tests/test_kernels_gpu_config.py tests/test_kernels_step.py
               tests/test_kernels_compile.py)
-PY=.venv/bin/python
+PY=${GPU_CHECK_PY:-.venv/bin/python}  # e.g. GPU_CHECK_PY=/path/to/.venv/bin/python for a dry run
 FAILED=()
 
 usage() { echo "usage: bash scripts/gpu_check.sh [--cpu-dry-run]" >&2; exit 2; }
