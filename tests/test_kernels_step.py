@@ -124,3 +124,19 @@ def test_offsets_past_2_31():
         q.transpose(0, 1).float(), k.transpose(0, 1).float().expand(2, -1, -1),
         v.transpose(0, 1).float().expand(2, -1, -1), is_causal=True, scale=head_dim ** -0.5)
     _close(out, ref.transpose(0, 1).to(torch.float16))
+
+
+def test_torch_backend_takes_step_metadata():
+    """A StepMetadata stands wherever an AttentionMetadata does (the worker may pass it to
+    either backend): the torch backend stores and attends identically with it."""
+    c = _paged_case([6, 20, 1], [9, 40, 3], [0, 0, 1, 1], 2, 32, torch.float32, 4, copies=2)
+    m, scale = c.meta, 32 ** -0.5
+    step = build_step_metadata(m.cu_seqlens_q, m.context_lens, m.block_tables,
+                               m.slot_mapping.tolist(), m.kv_head_of_q.tolist(), DEVICE)
+    torch_backend = select_backend("torch", "cpu")
+    outs = []
+    for cache, meta in zip(c.caches, (step, m)):
+        torch_backend.kv_store(cache, 0, c.k, c.v, meta.slot_mapping)
+        outs.append(torch_backend.attention(0, c.q, c.k, c.v, cache, meta, scale))
+    assert torch.equal(c.caches[0].data, c.caches[1].data)
+    assert torch.equal(outs[0], outs[1])

@@ -9,6 +9,7 @@ from engine.rank.kernels.kv_store import triton_kv_store
 from engine.rank.kernels.rmsnorm import triton_rmsnorm
 from engine.rank.kernels.rope import triton_rope
 from engine.rank.kernels.silu_mul import triton_silu_mul
+from engine.rank.kernels.step_metadata import StepMetadata, build_step_metadata
 
-__all__ = ["triton_attention", "triton_decode_attention", "triton_kv_store", "triton_rmsnorm",
-           "triton_rope", "triton_silu_mul"]
+__all__ = ["StepMetadata", "build_step_metadata", "triton_attention", "triton_decode_attention",
+           "triton_kv_store", "triton_rmsnorm", "triton_rope", "triton_silu_mul"]

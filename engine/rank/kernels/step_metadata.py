@@ -96,6 +96,15 @@ def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
+def _pack(parts: dict[str, list[int]], device: torch.device) -> dict[str, torch.Tensor]:
+    """The lists laid end to end in one int32 tensor, copied once; each name gets its view."""
+    packed = _to_device([v for values in parts.values() for v in values], device)
+    views, at = {}, 0
+    for name, values in parts.items():
+        views[name], at = packed[at:at + len(values)], at + len(values)
+    return views
+
+
 def build_step_metadata(cu_seqlens_q: list[int], context_lens: list[int],
                         block_tables: list[list[int]], slot_mapping: list[int] | torch.Tensor,
                         kv_head_of_q: list[int] | torch.Tensor, device: torch.device | str,
@@ -121,18 +130,13 @@ def build_step_metadata(cu_seqlens_q: list[int], context_lens: list[int],
     width = max((len(t) for t in block_tables), default=0) or 1
     table = [b for t in block_tables for b in t + [0] * (width - len(t))]
 
-    # one flat list: [name, length] in the order laid out
-    parts = [("cu_q", list(cu_seqlens_q)), ("ctx", list(context_lens)), ("order", order),
-             ("cu_sorted", cu_sorted), ("table", table),
-             ("groups", [h for row in group_rows for h in row])]
+    parts = {"cu_q": list(cu_seqlens_q), "ctx": list(context_lens), "order": order,
+             "cu_sorted": cu_sorted, "table": table, "groups": [h for r in group_rows for h in r]}
     if not isinstance(slot_mapping, torch.Tensor):
-        parts.append(("slots", list(slot_mapping)))
+        parts["slots"] = list(slot_mapping)
     if not isinstance(kv_head_of_q, torch.Tensor):
-        parts.append(("heads", heads))
-    packed = _to_device([v for _, values in parts for v in values], device)
-    views, at = {}, 0
-    for name, values in parts:
-        views[name], at = packed[at:at + len(values)], at + len(values)
+        parts["heads"] = heads
+    views = _pack(parts, device)
 
     max_kv = max(context_lens, default=0)
     num_kv_heads = len(group_rows)
