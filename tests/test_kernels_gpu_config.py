@@ -100,3 +100,18 @@ def test_decode_at_gpu_defaults(name):
 ])
 def test_decode_split_length(sms, seqs, kv_heads, max_kv, expected):
     assert split_length(sms, GPU, seqs, kv_heads, max_kv) == expected
+
+
+@pytest.mark.parametrize("group,smallest_kept", [(4, 64), (8, 64), (128, 128), (256, None)])
+def test_autotune_prunes_tiles_too_small_for_a_group(group, smallest_kept):
+    """The GPU's whole search space, pruned through Triton's own call of the prune hook (GROUP
+    arrives as a keyword argument there): tiles narrower than a group go; if none is wide
+    enough, the first config stays and the wrapper launches a widened tile itself."""
+    tuner = flash_attention.prefill_autotuner(config.PREFILL_TUNE_SPACE)
+    tuner.nargs = {}  # what Autotuner.run sets from the positional arguments before pruning
+    kept = tuner.prune_configs({"GROUP": group, "HEAD_DIM": 128, "BLOCK_SIZE": 16})
+    if smallest_kept is None:
+        assert kept == tuner.configs[:1]
+    else:
+        assert min(c.kwargs["BLOCK_M"] for c in kept) == smallest_kept
+        assert len(kept) == sum(m >= group for m, *_ in config.PREFILL_TUNE_SPACE)

@@ -144,18 +144,26 @@ def _flash_prefill_kernel(q_ptr, out_ptr, k_cache_ptr, v_cache_ptr,
 
 
 def _keep_configs_that_fit(configs, named_args, **kwargs):
-    """A tile must hold at least one token of every query head of a group."""
-    return [c for c in configs if c.kwargs["BLOCK_M"] >= named_args["GROUP"]] or configs[:1]
+    """A tile must hold at least one token of every query head of a group. Triton passes the
+    positional arguments as named_args and the keyword ones (GROUP among them) as kwargs."""
+    group = kwargs.get("GROUP", named_args.get("GROUP", 1))
+    return [c for c in configs if c.kwargs["BLOCK_M"] >= group] or configs[:1]
 
 
-_TUNE_CONFIGS = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
-                 for m, n, w, s in PREFILL_TUNE_SPACE]
-if os.environ.get("TRITON_INTERPRET") == "1":  # one config, the GPU's default: no search
-    _TUNE_CONFIGS = _TUNE_CONFIGS[:1]
-# tuned once per (head dim, group width, page size, dtypes): never per token count
-_flash_prefill_tuned = triton.autotune(
-    _TUNE_CONFIGS, key=["HEAD_DIM", "GROUP", "BLOCK_SIZE"],
-    prune_configs_by={"early_config_prune": _keep_configs_that_fit})(_flash_prefill_kernel)
+def prefill_autotuner(tiles: list[tuple[int, int, int, int]]):
+    """The prefill kernel behind triton.autotune over (block_m, block_n, warps, stages) tiles,
+    tuned once per (head dim, group width, page size, dtypes): never per token count."""
+    configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
+               for m, n, w, s in tiles]
+    return triton.autotune(configs, key=["HEAD_DIM", "GROUP", "BLOCK_SIZE"],
+                           prune_configs_by={"early_config_prune": _keep_configs_that_fit}
+                           )(_flash_prefill_kernel)
+
+
+# under the interpreter one config, the GPU's default: no search (it would need a GPU to time)
+_flash_prefill_tuned = prefill_autotuner(
+    PREFILL_TUNE_SPACE[:1] if os.environ.get("TRITON_INTERPRET") == "1" else PREFILL_TUNE_SPACE)
+_TUNE_CONFIGS = _flash_prefill_tuned.configs
 
 
 def triton_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
