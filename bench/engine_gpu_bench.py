@@ -89,7 +89,7 @@ def prefill_rows(llm, args, device: torch.device, peak: float | None) -> list[di
 def prefix_chunk_row(llm, args, device: torch.device) -> dict:
     """The longest length's last eighth as a new chunk after the rest, already cached."""
     vocab, length = llm.model_config.vocab_size, max(args.engine_lengths)
-    chunk = max(args.engine_lengths[0] // 8, 1)
+    chunk = max(length // 8, 1)
     prefix = _ids(length - chunk, vocab, 7)
     llm.prefill([prefix])  # now cached (whole blocks of it)
     wall, out = _timed_prefill(llm, prefix + _ids(chunk, vocab, 8), device)

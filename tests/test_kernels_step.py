@@ -140,3 +140,14 @@ def test_torch_backend_takes_step_metadata():
         outs.append(torch_backend.attention(0, c.q, c.k, c.v, cache, meta, scale))
     assert torch.equal(c.caches[0].data, c.caches[1].data)
     assert torch.equal(outs[0], outs[1])
+
+
+def test_step_metadata_does_not_import_triton():
+    """The worker may build step metadata before deciding on (or without) the Triton backend;
+    importing triton then would fix TRITON_INTERPRET off for the whole process."""
+    import subprocess
+
+    code = ("import sys; import engine.rank.kernels.step_metadata; "
+            "sys.exit(1 if 'triton' in sys.modules else 0)")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    assert subprocess.run([sys.executable, "-c", code], cwd=root).returncode == 0

@@ -83,7 +83,8 @@ def default_set() -> list[dict]:
     data = {p: "*bf16" for p in ("q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr")}
     data.update({p: "*fp32" for p in ("part_acc_ptr", "part_m_ptr", "part_l_ptr")})
     out.append(compile_one(decode_attention._decode_split_kernel,
-                           dict(BLOCK_G=16, BLOCK_N=g.decode_block_n, BLOCK_D=128,
+                           dict(BLOCK_SIZE=16, HEAD_DIM=128, BLOCK_G=16,
+                                BLOCK_N=g.decode_block_n, BLOCK_D=128,
                                 FP32_DOT=False, PRECISION="tf32"), data, 4, 2))
     out.append(compile_one(decode_attention._decode_merge_kernel,
                            dict(BLOCK_S=64, BLOCK_D=128), data, 4, 2))

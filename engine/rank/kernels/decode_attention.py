@@ -32,7 +32,7 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, ctx_ptr, table_ptr, gr
                          stride_qb, stride_qh,
                          stride_cblock, stride_cslot, stride_chead, stride_table, group_width,
                          stride_pb, stride_ph,
-                         block_size, head_dim, kv_per_split,
+                         kv_per_split, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
                          BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                          FP32_DOT: tl.constexpr, PRECISION: tl.constexpr):
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -43,7 +43,7 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, ctx_ptr, table_ptr, gr
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < head_dim
+    d_ok = offs_d < HEAD_DIM  # constant: all true unless the head dim is padded
     # -1 pads the group; the rows past its width pad the MMA's 16-row minimum
     q_head = tl.load(group_ptr + kv_head * group_width + offs_g, mask=offs_g < group_width,
                      other=-1)
@@ -60,7 +60,7 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, ctx_ptr, table_ptr, gr
         pos = n0 + tl.arange(0, BLOCK_N)
         in_split = pos < end
         k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, table_ptr, pos, in_split, kv_head, offs_d,
-                            d_ok, stride_cblock, stride_cslot, stride_chead, block_size, FP32_DOT)
+                            d_ok, stride_cblock, stride_cslot, stride_chead, BLOCK_SIZE, FP32_DOT)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # log2 units
         s = tl.where(in_split[None, :], s, float("-inf"))
         # the first tile of a split always holds key `start`, so every row has a finite score
@@ -142,7 +142,7 @@ def triton_decode_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: tor
         scale * _LOG2E, q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), step.table.stride(0),
         step.group_width, part_m.stride(0), part_m.stride(1),
-        cache.block_size, head_dim, kv_per_split,
+        kv_per_split, BLOCK_SIZE=cache.block_size, HEAD_DIM=head_dim,
         BLOCK_G=max(16, step.group_width), BLOCK_N=block_n, BLOCK_D=block_d,
         FP32_DOT=fp32_dot, PRECISION=precision)
     _decode_merge_kernel[(num_seqs, num_q_heads)](

@@ -20,9 +20,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton
 
 from engine.rank.kernels.config import KernelDefaults, defaults_for, sm_count
+
+# no triton import here: the worker may build step metadata for the torch backend too, and
+# importing triton before TRITON_INTERPRET is set would fix the interpreter off for the process
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
 
 
 @dataclass(slots=True)
@@ -62,7 +72,7 @@ def _group_rows(kv_head_of_q: list[int]) -> tuple[int, list[list[int]]]:
     groups: list[list[int]] = [[] for _ in range(num_kv_heads)]
     for q_head, kv_head in enumerate(kv_head_of_q):
         groups[kv_head].append(q_head)
-    width = triton.next_power_of_2(max((len(g) for g in groups), default=1))
+    width = _next_power_of_2(max((len(g) for g in groups), default=1))
     return width, [g + [-1] * (width - len(g)) for g in groups]
 
 
@@ -71,7 +81,7 @@ def decode_kv_per_split(device: torch.device, defaults: KernelDefaults, num_seqs
     """Keys per decode split on `device`. The interpreter gains nothing from splits: one."""
     if device.type != "cuda":
         return max(defaults.decode_block_n,
-                   triton.cdiv(max_kv, defaults.decode_block_n) * defaults.decode_block_n)
+                   _cdiv(max_kv, defaults.decode_block_n) * defaults.decode_block_n)
     return split_length(sm_count(device.index or 0), defaults, num_seqs, num_kv_heads, max_kv)
 
 
@@ -81,8 +91,8 @@ def split_length(sms: int, defaults: KernelDefaults, num_seqs: int, num_kv_heads
     more in partial writes and merging than they win in parallelism), and always a multiple of
     decode_block_n, so no split loads a masked tile it did not need."""
     block_n = defaults.decode_block_n
-    splits = triton.cdiv(2 * sms, max(1, num_seqs * num_kv_heads))
-    per_split = triton.cdiv(triton.cdiv(max_kv, splits), block_n) * block_n
+    splits = _cdiv(2 * sms, max(1, num_seqs * num_kv_heads))
+    per_split = _cdiv(_cdiv(max_kv, splits), block_n) * block_n
     return max(defaults.decode_min_split, per_split)
 
 
