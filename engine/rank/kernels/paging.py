@@ -2,7 +2,6 @@
 (The block tables themselves reach the device in engine.rank.kernels.step_metadata.)"""
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
