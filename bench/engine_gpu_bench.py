@@ -212,7 +212,7 @@ def _print(out: dict, peak: float | None) -> None:
     print_table(f"Engine prefill, TP=1 | random Llama: hidden {m['hidden']}, ffn {m['ffn']}, "
                 f"{m['layers']} layers, {m['heads']}/{m['kv_heads']} heads of {m['head_dim']} | "
                 f"built {out['build_s']:.1f} s, loaded {out['load_s']:.1f} s | MFU against the "
-                f"matmul peak measured above ({peak and f'{peak:.0f}'} TF/s)",
+                f"matmul peak measured above ({f'{peak:.3g}' if peak else 'none'} TF/s)",
                 ["tokens", "ms", "tok/s", "TF/s", "MFU"], rows)
     print(f"prefix + chunk: {out['prefix_chunk']}")
     print(f"decode: {out['decode']}")

@@ -62,6 +62,21 @@ def test_prefill_at_gpu_defaults(name):
     _close(out, torch_attention(layer, c.q, c.k, c.v, c.caches[2], c.meta, scale))
 
 
+TUNED_TILES = sorted({(m, n) for m, n, _, _ in config.PREFILL_TUNE_SPACE})
+
+
+@pytest.mark.parametrize("block_m,block_n", TUNED_TILES)
+def test_prefill_at_every_tile_the_autotuner_may_pick(block_m, block_n):
+    """Any tile the GPU's autotuner may choose computes the same attention (warps and stages
+    change the schedule, not the arithmetic, so the tile sizes are what can break)."""
+    c = _paged_case(*PREFILL_CASES["d64-uneven-fp16"])
+    layer, scale = 1, c.q.shape[-1] ** -0.5
+    _store_new_kv(c, layer)
+    out = flash_attention.triton_attention(layer, c.q, c.k, c.v, c.caches[0], _step(c), scale,
+                                           block_m=block_m, block_n=block_n)
+    _close(out, flash_attention.paged_attention_reference(layer, c.q, c.caches[1], c.meta, scale))
+
+
 DECODE_CASES = {
     # context_lens, kv_head_of_q, kv heads, head dim, dtype, kv_per_split (None: the step's)
     # three 256-key splits of 64-key tiles for the longest sequence, one for the shortest
