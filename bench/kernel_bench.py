@@ -1,25 +1,26 @@
-"""Causal prefill attention and whole-engine prefill, timed on this machine's device.
+"""Attention kernels against torch SDPA, the device's matmul peak, and (bench.engine_gpu_bench)
+an 8B-shaped engine prefill, all in one run on this machine's device; JSON with --json.
 
-    .venv/bin/python -m bench.kernel_bench                       # GPU: L = 512 2048 8192
-    .venv/bin/python -m bench.kernel_bench --lengths 64 128      # CPU: Triton interpreted
+    python -m bench.kernel_bench --json $OUT/kernel_bench.json      # GPU: L = 1k 2k 8k
+    python -m bench.kernel_bench --cpu-dry-run                      # CPU: tiny, interpreted
 
-Section 1 times one sequence of L new tokens (32 query heads, 8 KV heads, head dim 128) through
-(a) engine.rank.kernels.triton_attention over a paged cache, as the engine calls it, (b) torch SDPA
-and (c) a naive attention that materialises the scores. Section 2 times the engine's prefill of a
-random ~1B Llama (a tiny one on a CPU) at TP=1. On a CPU the Triton kernels run under the
-interpreter, so the numbers there only show that the script works, not how fast anything is.
+Attention: one causal sequence of L new tokens (32 query / 8 KV heads, head dim 64 and 128)
+through engine.rank.kernels.triton_attention over a paged cache (autotuned on CUDA; its step
+metadata built once, outside the timing, as the engine does per step) against
+torch.nn.functional.scaled_dot_product_attention, naming the SDPA backend torch picked. Then a
+chunk of L/8 queries over an L-token context, and a decode step of 16 sequences of L tokens.
+On a CPU the kernels run under the Triton interpreter: the numbers only show the script works.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 import traceback
-from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 
@@ -29,22 +30,13 @@ if not ON_CUDA:  # triton reads this when the kernels are decorated, i.e. at the
 
 import triton  # noqa: E402
 
-from engine.rank.attention import AttentionMetadata  # noqa: E402
-from engine.rank.kernels import triton_attention  # noqa: E402
+from engine.rank.kernels import triton_attention, triton_decode_attention  # noqa: E402
+from engine.rank.kernels.flash_attention import _flash_prefill_tuned  # noqa: E402
+from engine.rank.kernels.step_metadata import build_step_metadata  # noqa: E402
 from engine.rank.kv_cache import KVCache  # noqa: E402
 
-if TYPE_CHECKING:
-    from engine import LLM
+HEADS, KV_HEADS, BLOCK_SIZE = 32, 8, 16
 
-HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
-# random models: a ~1.1B Llama (GQA 32/8, like Llama 3.2 1B) and a tiny one that runs in seconds
-LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                num_attention_heads=32, num_key_value_heads=8, vocab_size=32000)
-LLAMA_TINY = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, vocab_size=1000)
-
-
-# ---- measuring ---------------------------------------------------------------------------------
 
 def device_label(device: torch.device) -> str:
     versions = f"torch {torch.__version__}, triton {triton.__version__}"
@@ -55,9 +47,8 @@ def device_label(device: torch.device) -> str:
 
 
 def time_ms(fn: Callable[[], object], device: torch.device, warmup: int, iters: int) -> float:
-    """Median milliseconds of fn after warm-up runs (Triton compiles and caches warm there).
-    On a GPU each run is bracketed by CUDA events, so queued work is counted where it runs; the
-    median keeps one slow run (a clock ramp, a stray sync) from moving the result."""
+    """Median milliseconds of fn after warm-up runs (compiles and autotuning happen there). On a
+    GPU each run is bracketed by CUDA events, so queued work is counted where it runs."""
     for _ in range(warmup):
         fn()
     if device.type != "cuda":
@@ -78,14 +69,76 @@ def time_ms(fn: Callable[[], object], device: torch.device, warmup: int, iters: 
     return statistics.median(start.elapsed_time(end) for start, end in events)
 
 
-def causal_flops(heads: int, head_dim: int, length: int) -> int:
-    """QK^T and PV, 2 FLOPs per multiply-add each, over the L(L+1)/2 visible query-key pairs."""
-    return 4 * heads * head_dim * length * (length + 1) // 2
+def print_table(title: str, header: list[str], rows: list[list]) -> None:
+    widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
+    line = "  ".join("-" * w for w in widths)
+    print(f"\n{title}\n{line}\n" + "  ".join(h.rjust(w) for h, w in zip(header, widths)))
+    print(line)
+    for r in rows:
+        print("  ".join(str(c).rjust(w) for c, w in zip(r, widths)))
+    print(line, flush=True)
 
 
-def fmt_tflops(tflops: float) -> str:
-    """Interpreted kernels reach ~1e-6 TFLOP/s: keep a digit there too."""
-    return f"{tflops:.2f}" if tflops >= 0.01 else f"{tflops:.1e}"
+def tflops(flops: float, ms: float) -> float:
+    return flops / ms / 1e9
+
+
+def matmul_peak(device: torch.device, dtype: torch.dtype, n: int, args) -> dict:
+    """The dense matmul rate this device reaches in `dtype` now (clocks and power as they are),
+    the denominator of every MFU in this run."""
+    a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
+    ms = time_ms(lambda: a @ b, device, max(1, args.warmup), max(3, args.iters))
+    out = {"n": n, "dtype": str(dtype), "ms": ms, "tflops": tflops(2 * n**3, ms)}
+    print(f"\nmatmul peak: [{n}x{n}] @ [{n}x{n}] {dtype}: {ms:.3f} ms, {out['tflops']:.1f} TFLOP/s")
+    return out
+
+
+def sdpa_backend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> str:
+    """The backend torch's dispatcher picks for these inputs (flash, efficient, cudnn, math)."""
+    try:
+        from torch.nn.attention import SDPBackend
+        choice = torch._fused_sdp_choice(q, k, v, is_causal=causal)
+        return SDPBackend(choice).name
+    except Exception as e:  # a private helper: name what went wrong rather than fail the run
+        return f"unknown ({type(e).__name__})"
+
+
+def paged(q_lens: list[int], ctx_lens: list[int], head_dim: int, dtype: torch.dtype,
+          device: torch.device, seed: int = 0):
+    """q/k/v of the new tokens, a cache holding every context with shuffled pages (the kernel
+    reads through the block table as in the engine), and the step's metadata, built once."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks = [-(-n // BLOCK_SIZE) for n in ctx_lens]
+    perm = torch.randperm(sum(blocks), generator=gen).tolist()
+    tables, at = [], 0
+    for n in blocks:
+        tables.append(perm[at:at + n])
+        at += n
+    cache = KVCache(1, sum(blocks), BLOCK_SIZE, KV_HEADS, head_dim, dtype, device)
+    cache.data.normal_(generator=None)
+    slots = [t[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE
+             for t, q, c in zip(tables, q_lens, ctx_lens) for p in range(c - q, c)]
+    cu = [0]
+    for q in q_lens:
+        cu.append(cu[-1] + q)
+    heads = [h // (HEADS // KV_HEADS) for h in range(HEADS)]
+    step = build_step_metadata(cu, ctx_lens, tables, slots, heads, device, uniform_groups=True)
+    t = cu[-1]
+    q, k, v = (torch.randn(t, h, head_dim, generator=gen).to(device, dtype)
+               for h in (HEADS, KV_HEADS, KV_HEADS))
+    cache.store(0, k, v, step.slot_mapping.long())
+    return q, k, v, cache, step
+
+
+def _sdpa_inputs(cache: KVCache, step, q: torch.Tensor, seq: int):
+    """[1, h, len, d] q and K/V of one sequence gathered from the cache, expanded to every query
+    head ahead of time: layout and GQA expansion are setup, not the attention being timed."""
+    k, v = cache.gather(0, step.block_tables[seq], step.context_lens[seq])
+    cu = step.cu_seqlens_q
+    q4 = q[cu[seq]:cu[seq + 1]].transpose(0, 1).unsqueeze(0).contiguous()
+    k4, v4 = (x.repeat_interleave(HEADS // KV_HEADS, 1).transpose(0, 1).unsqueeze(0).contiguous()
+              for x in (k, v))
+    return q4, k4, v4
 
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -93,234 +146,133 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual.float() - expected).norm() / expected.norm()).item()
 
 
-def print_table(title: str, header: list[str], rows: list[list[str]]) -> None:
-    widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
-    line = "  ".join("-" * w for w in widths)
-    print(f"\n{title}\n{line}")
-    print("  ".join(h.rjust(w) for h, w in zip(header, widths)))
-    print(line)
-    for r in rows:
-        print("  ".join(str(c).rjust(w) for c, w in zip(r, widths)))
-    print(line, flush=True)
+def causal_pairs(q_len: int, kv_len: int) -> int:
+    """Query-key pairs a causal chunk of q_len queries at the end of kv_len positions sees."""
+    return q_len * (kv_len - q_len) + q_len * (q_len + 1) // 2
 
 
-# ---- section 1: attention ----------------------------------------------------------------------
+def prefill_row(length: int, q_len: int, head_dim: int, dtype: torch.dtype,
+                device: torch.device, args) -> dict:
+    """One sequence: q_len new tokens at the end of a length-token context (q_len == length:
+    a whole prompt, else a chunk after a cached prefix)."""
+    from torch.nn.attention.bias import causal_lower_right
 
-def paged_inputs(length: int, dtype: torch.dtype, device: torch.device, seed: int = 0
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, KVCache, AttentionMetadata]:
-    """q/k/v of L new tokens and an empty paged cache whose pages are shuffled, so the kernel
-    reads K/V through the block table the way it does in the engine."""
-    gen = torch.Generator().manual_seed(seed)
-    num_blocks = -(-length // BLOCK_SIZE)
-    table = torch.randperm(num_blocks, generator=gen)
-    pos = torch.arange(length)
-    slots = (table[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE).to(device)
-    group = HEADS // KV_HEADS
-    kv_head_of_q = torch.arange(HEADS, device=device) // group
-    meta = AttentionMetadata([0, length], [length], [table.tolist()], slots, kv_head_of_q)
-    cache = KVCache(1, num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM, dtype, device)
-    q = torch.randn(length, HEADS, HEAD_DIM, generator=gen).to(device, dtype)
-    k = torch.randn(length, KV_HEADS, HEAD_DIM, generator=gen).to(device, dtype)
-    v = torch.randn(length, KV_HEADS, HEAD_DIM, generator=gen).to(device, dtype)
-    return q, k, v, cache, meta
-
-
-def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    scale: float) -> torch.Tensor:
-    """[1, h, L, d] inputs; the whole [h, L, L] score matrix exists, softmax in fp32."""
-    length = q.shape[-2]
-    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
-    future = torch.ones(length, length, dtype=torch.bool, device=q.device).triu_(1)
-    scores.masked_fill_(future, float("-inf"))
-    return torch.matmul(scores.softmax(-1).to(v.dtype), v)
-
-
-def naive_gib(length: int, dtype: torch.dtype) -> float:
-    """Scores in the input dtype, their fp32 copy, fp32 probabilities and their cast back."""
-    return HEADS * length * length * (2 * dtype.itemsize + 8) / 2**30
-
-
-def attention_rows(length: int, dtype: torch.dtype, device: torch.device,
-                   args: argparse.Namespace) -> list[list[str]]:
-    q, k, v, cache, meta = paged_inputs(length, dtype, device)
-    scale = HEAD_DIM ** -0.5
-    # SDPA gets [1, h, L, d] with K/V expanded to every query head ahead of time: the layout
-    # change and the GQA expansion are setup, not part of the attention being timed
-    q4 = q.transpose(0, 1).unsqueeze(0).contiguous()
-    k4, v4 = (x.index_select(1, meta.kv_head_of_q).transpose(0, 1).unsqueeze(0).contiguous()
-              for x in (k, v))
+    q, k, v, cache, step = paged([q_len], [length], head_dim, dtype, device)
+    scale = head_dim ** -0.5
+    q4, k4, v4 = _sdpa_inputs(cache, step, q, 0)
+    whole = q_len == length
+    mask = None if whole else causal_lower_right(q_len, length)
     sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
-        q4, k4, v4, is_causal=True, scale=scale)
-    ref = sdpa()[0].transpose(0, 1)
-    cache.store(0, k, v, meta.slot_mapping)  # attention reads the new K/V from the cache
-    impls = {"triton paged": lambda: triton_attention(0, q, k, v, cache, meta, scale),
-             "torch SDPA": sdpa}
-    need = naive_gib(length, dtype)
-    if need <= args.naive_max_gb:
-        impls["naive"] = lambda: naive_attention(q4, k4, v4, scale)
-    flops = causal_flops(HEADS, HEAD_DIM, length)
-    results = {}
-    for name, fn in impls.items():
-        out = fn()  # checked once, untimed; the timed runs reuse the same buffers
-        out = out if name == "triton paged" else out[0].transpose(0, 1)
-        results[name] = (time_ms(fn, device, args.warmup, args.iters), rel_err(out, ref))
-    sdpa_ms = results["torch SDPA"][0]
-    rows = [[length, name, f"{ms:.3f}", fmt_tflops(flops / ms / 1e9), f"{ms / sdpa_ms:.2f}",
-             "ref" if name == "torch SDPA" else f"{err:.1e}"]
-            for name, (ms, err) in results.items()]
-    if "naive" not in impls:
-        rows.append([length, "naive", f"skipped: ~{need:.0f} GiB", "", "", ""])
+        q4, k4, v4, attn_mask=mask, is_causal=whole, scale=scale)
+    triton_fn = lambda: triton_attention(0, q, k, v, cache, step, scale)  # noqa: E731
+    err = rel_err(triton_fn(), sdpa()[0].transpose(0, 1))  # checked once, untimed
+    flops = 4 * HEADS * head_dim * causal_pairs(q_len, length)
+    t_ms = time_ms(triton_fn, device, args.warmup, args.iters)
+    s_ms = time_ms(sdpa, device, args.warmup, args.iters)
+    backend = (sdpa_backend(q4, k4, v4, True) if whole
+               else "causal_lower_right bias (efficient kernel where it applies)")
+    best = getattr(_flash_prefill_tuned, "best_config", None)
+    return {"kind": "prefill" if whole else "chunk", "kv_len": length, "q_len": q_len,
+            "head_dim": head_dim, "triton_ms": t_ms, "sdpa_ms": s_ms,
+            "triton_tflops": tflops(flops, t_ms), "sdpa_tflops": tflops(flops, s_ms),
+            "sdpa_backend": backend, "rel_err": err,
+            "triton_config": str(best) if best is not None and device.type == "cuda" else
+            "fixed (interpreter)"}
+
+
+def decode_row(length: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+               args) -> dict:
+    """args.decode_seqs sequences of `length` tokens, one new query each: memory-bound, so
+    reported as the rate K/V is read."""
+    seqs = args.decode_seqs
+    q, k, v, cache, step = paged([1] * seqs, [length] * seqs, head_dim, dtype, device)
+    scale = head_dim ** -0.5
+    gathered = [_sdpa_inputs(cache, step, q, i) for i in range(seqs)]
+    q4, k4, v4 = (torch.cat(x) for x in zip(*gathered))  # [seqs, h, len, d]
+    sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
+        q4, k4, v4, scale=scale)
+    triton_fn = lambda: triton_decode_attention(0, q, k, v, cache, step, scale)  # noqa: E731
+    err = rel_err(triton_fn(), sdpa()[:, :, 0])
+    kv_bytes = 2 * seqs * length * KV_HEADS * head_dim * dtype.itemsize
+    t_ms = time_ms(triton_fn, device, args.warmup, args.iters)
+    s_ms = time_ms(sdpa, device, args.warmup, args.iters)
+    # SDPA reads the K/V expanded to every query head: HEADS/KV_HEADS times the bytes
+    return {"kind": "decode", "kv_len": length, "q_len": 1, "seqs": seqs, "head_dim": head_dim,
+            "triton_ms": t_ms, "sdpa_ms": s_ms, "triton_kv_gbps": kv_bytes / t_ms / 1e6,
+            "kv_per_split": step.decode_kv_per_split,
+            "sdpa_backend": sdpa_backend(q4, k4, v4, False) + f" over K/V expanded to {HEADS} heads",
+            "rel_err": err}
+
+
+def bench_attention(args, device: torch.device, dtype: torch.dtype) -> list[dict]:
+    rows = []
+    for head_dim in args.head_dims:
+        for length in args.lengths:
+            rows.append(prefill_row(length, length, head_dim, dtype, device, args))
+            rows.append(prefill_row(length, max(1, length // 8), head_dim, dtype, device, args))
+            rows.append(decode_row(length, head_dim, dtype, device, args))
+    table = [[r["kind"], r["head_dim"], r["q_len"], r["kv_len"], f"{r['triton_ms']:.3f}",
+              f"{r['sdpa_ms']:.3f}", f"{r['sdpa_ms'] / r['triton_ms']:.2f}",
+              f"{r.get('triton_tflops', 0):.3g}", f"{r.get('sdpa_tflops', 0):.3g}",
+              f"{r.get('triton_kv_gbps', 0):.3g}", f"{r['rel_err']:.1e}", r["sdpa_backend"]]
+             for r in rows]
+    print_table(f"Attention | {device_label(device)} | {dtype} | {HEADS} q / {KV_HEADS} kv heads, "
+                f"page {BLOCK_SIZE} | median of {args.iters} after {args.warmup} warm-up\n"
+                f"TF/s counts causal work only (4*h*d per visible pair); speedup = SDPA ms / "
+                f"triton ms; decode: {args.decode_seqs} sequences, GB/s of K/V read by the kernel",
+                ["kind", "d", "q", "kv", "triton ms", "sdpa ms", "speedup", "triton TF/s",
+                 "sdpa TF/s", "dec GB/s", "rel.err", "SDPA backend"], table)
     return rows
 
 
-def bench_attention(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> None:
-    rows = []
-    for length in args.lengths:
-        rows += attention_rows(length, dtype, device, args)
-    title = (f"Causal prefill attention, one sequence | {device_label(device)} | {dtype} | "
-             f"heads {HEADS}, kv heads {KV_HEADS}, head dim {HEAD_DIM}, block {BLOCK_SIZE} | "
-             f"median of {args.iters} after a check run and {args.warmup} warm-up\n"
-             f"TFLOP/s counts the causal work 4*h*d*L(L+1)/2 for every row; t/SDPA > 1 is slower "
-             f"than SDPA; 'triton paged' includes its K/V store into the cache; rel.err is "
-             f"|out - SDPA| / |SDPA|")
-    print_table(title, ["L", "impl", "ms", "TFLOP/s", "t/SDPA", "rel.err"], rows)
-
-
-# ---- section 2: whole-engine prefill -----------------------------------------------------------
-
-def save_random_llama(root: Path, tiny: bool, max_len: int, device: torch.device) -> Path:
-    """A random Llama saved with save_pretrained in bf16. Built on the target device: random
-    init of a billion parameters is seconds there and far longer on the host."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # its bar would break up the log's tables
-    shape = LLAMA_TINY if tiny else LLAMA_1B
-    cfg = AutoConfig.for_model("llama", **shape, max_position_embeddings=max(8192, max_len))
-    torch.manual_seed(0)
-    try:
-        with torch.device(device):
-            model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    except Exception as e:  # slower, but a benchmark should not die over where weights start
-        print(f"building the model on {device} failed ({e!r}); building it on the CPU")
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    model.to("cpu").save_pretrained(root)  # the file is written from host memory either way
-    del model
-    return root
-
-
-def engine_row(llm: "LLM", length: int, args: argparse.Namespace,
-               device: torch.device) -> list[str]:
-    from engine.observe.costs import forward_flops
-
-    ids = torch.randint(0, llm.model_config.vocab_size, (length,),
-                        generator=torch.Generator().manual_seed(length)).tolist()
-    for _ in range(args.engine_warmup):
-        llm.prefill([ids])  # compiles the kernels for this shape
-    walls, forwards = [], []
-    for _ in range(args.engine_repeats):
-        before = len(llm.step_timings())
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        llm.prefill([ids])  # returns host logits, so the device work is done when it returns
-        walls.append(time.perf_counter() - start)
-        forwards.append(sum(s.forward_s for s in llm.step_timings()[before:]))
-    wall, fwd = statistics.median(walls), statistics.median(forwards)
-    tflops = forward_flops(llm.model_config, length, length) / wall / 1e12
-    mfu = f"{100 * tflops / args.peak_tflops:.1f}%" if device.type == "cuda" else "n/a"
-    return [length, f"{wall * 1e3:.2f}", f"{fwd * 1e3:.2f}", f"{length / wall:,.0f}",
-            fmt_tflops(tflops), mfu]
-
-
-def bench_engine(args: argparse.Namespace, device: torch.device, dtype: str) -> None:
-    from engine import LLM
-    from engine.rank.backend import select_backend
-
-    tiny = args.model == "tiny"
-    max_len = max(args.engine_lengths)
-    with tempfile.TemporaryDirectory(prefix="kernel_bench_") as tmp:
-        start = time.perf_counter()
-        path = save_random_llama(Path(tmp), tiny, max_len, device)
-        built = time.perf_counter() - start
-        # room for the longest prompt plus a block, whatever the model's KV width
-        shape = LLAMA_TINY if tiny else LLAMA_1B
-        per_token = KVCache.bytes_per_token(shape["num_hidden_layers"],
-                                            shape["num_key_value_heads"],
-                                            shape["hidden_size"] // shape["num_attention_heads"],
-                                            getattr(torch, dtype))
-        kv_gb = max(0.25, 1.5 * per_token * (max_len + 2 * BLOCK_SIZE) / 2**30)
-        start = time.perf_counter()
-        with LLM(str(path), device=str(device), dtype=dtype, max_num_batched_tokens=max_len,
-                 enable_prefix_caching=False, kv_cache_gb=kv_gb,
-                 attention_backend=args.engine_backend) as llm:
-            loaded = time.perf_counter() - start
-            rows = [engine_row(llm, n, args, device) for n in args.engine_lengths]
-            mc = llm.model_config
-    backend = select_backend(args.engine_backend, str(device)).name
-    title = (f"Engine prefill, TP=1, one prompt of L tokens | {device_label(device)} | {dtype} | "
-             f"backend {backend}\nrandom Llama ({'tiny' if tiny else '~1B'}): hidden "
-             f"{mc.hidden_size}, ffn {mc.intermediate_size}, layers {mc.num_layers}, heads "
-             f"{mc.num_heads}/{mc.num_kv_heads} kv, head dim {mc.head_dim}, vocab "
-             f"{mc.vocab_size} | built+saved {built:.1f} s, loaded {loaded:.1f} s | median of "
-             f"{args.engine_repeats} after {args.engine_warmup} warm-up\nms: whole prefill call; "
-             f"fwd ms: rank 0 inside the forward; TFLOP/s from engine.observe.costs.forward_flops over "
-             f"ms; MFU against {args.peak_tflops:g} TFLOP/s")
-    print_table(title, ["L", "ms", "fwd ms", "tok/s", "TFLOP/s", "MFU"], rows)
-
-
-# ---- entry point -------------------------------------------------------------------------------
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    gpu = ON_CUDA
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--lengths", type=int, nargs="+",
-                    default=[512, 2048, 8192] if gpu else [64, 128],
-                    help="attention sequence lengths (CPU default is tiny: interpreted Triton)")
-    ap.add_argument("--engine-lengths", type=int, nargs="+", default=None,
-                    help="engine prefill lengths (default: --lengths)")
-    # an untimed correctness run precedes each timing and warms up too, so on a CPU, where one
-    # interpreted call takes seconds, it is the only warm-up by default
-    ap.add_argument("--warmup", type=int, default=3 if gpu else 0,
-                    help="warm-up runs after the untimed correctness run")
-    ap.add_argument("--iters", type=int, default=20 if gpu else 1)
-    ap.add_argument("--engine-warmup", type=int, default=1)
-    ap.add_argument("--engine-repeats", type=int, default=5 if gpu else 2)
-    ap.add_argument("--naive-max-gb", type=float, default=4.0,
-                    help="skip the naive attention where its score tensors need more than this")
-    ap.add_argument("--model", choices=["1b", "tiny"], default="1b" if gpu else "tiny")
-    ap.add_argument("--dtype", choices=["bfloat16", "float32", "float16"],
-                    default="bfloat16" if gpu else "float32")
-    ap.add_argument("--engine-backend", choices=["auto", "torch", "triton"], default="auto",
-                    help="the engine's attention_backend (auto: triton on CUDA, torch on CPU)")
-    ap.add_argument("--peak-tflops", type=float, default=989.0,
-                    help="the device's dense peak in --dtype for MFU (989: H200 bf16)")
-    ap.add_argument("--skip-attention", action="store_true")
+    ap.add_argument("--cpu-dry-run", action="store_true",
+                    help="tiny shapes, Triton interpreted: proves the script runs, times nothing")
+    ap.add_argument("--lengths", type=int, nargs="+", default=None)
+    ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    ap.add_argument("--warmup", type=int, default=None)
+    ap.add_argument("--iters", type=int, default=None)
+    ap.add_argument("--peak-n", type=int, default=None, help="matmul size for the peak")
+    ap.add_argument("--decode-seqs", type=int, default=None)
+    ap.add_argument("--json", help="write every figure here")
     ap.add_argument("--skip-engine", action="store_true")
+    from bench.engine_gpu_bench import add_args
+    add_args(ap)
     args = ap.parse_args(argv)
-    args.engine_lengths = args.engine_lengths or args.lengths
+    small = args.cpu_dry_run or not ON_CUDA
+    args.lengths = args.lengths or ([48, 80] if small else [1024, 2048, 8192])
+    args.warmup = args.warmup if args.warmup is not None else (0 if small else 3)
+    args.iters = args.iters or (1 if small else 20)
+    args.peak_n = args.peak_n or (256 if small else 8192)
+    args.decode_seqs = args.decode_seqs or (2 if small else 16)
     return args
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     device = torch.device("cuda" if ON_CUDA else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.set_grad_enabled(False)
-    sections = []
-    if not args.skip_attention:
-        sections.append(("attention", lambda: bench_attention(args, device,
-                                                              getattr(torch, args.dtype))))
+    report: dict = {"device": device_label(device), "argv": sys.argv, "failed": []}
+    sections = [("matmul_peak", lambda: matmul_peak(device, dtype, args.peak_n, args)),
+                ("attention", lambda: bench_attention(args, device, dtype))]
     if not args.skip_engine:
-        sections.append(("engine", lambda: bench_engine(args, device, args.dtype)))
-    failed = []
+        from bench.engine_gpu_bench import bench_engine
+        sections.append(("engine", lambda: bench_engine(args, device, report)))
     for name, run in sections:
-        try:  # one lent GPU run should still bring back the other section's numbers
-            run()
+        start = time.perf_counter()
+        try:  # one lent GPU run should still bring back the other sections' numbers
+            report[name] = run()
         except Exception:
             traceback.print_exc()
-            failed.append(name)
-    if failed:
-        sys.exit(f"kernel_bench: section(s) failed: {', '.join(failed)}")
+            report["failed"].append(name)
+        report[f"{name}_s"] = round(time.perf_counter() - start, 1)
+        if args.json:  # after every section, so a run cut short still leaves what it had
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=1, default=str)
+    if report["failed"]:
+        sys.exit(f"kernel_bench: section(s) failed: {', '.join(report['failed'])}")
 
 
 if __name__ == "__main__":

@@ -2,13 +2,22 @@
 
 On CUDA they run compiled; on CPU they run under the Triton interpreter (TRITON_INTERPRET=1 must
 be set before these modules are imported, because @triton.jit reads it when it decorates).
-"""
-from engine.rank.kernels.decode_attention import triton_decode_attention
-from engine.rank.kernels.flash_attention import triton_attention
-from engine.rank.kernels.kv_store import triton_kv_store
-from engine.rank.kernels.rmsnorm import triton_rmsnorm
-from engine.rank.kernels.rope import triton_rope
-from engine.rank.kernels.silu_mul import triton_silu_mul
 
-__all__ = ["triton_attention", "triton_decode_attention", "triton_kv_store", "triton_rmsnorm",
-           "triton_rope", "triton_silu_mul"]
+The kernels are imported on first use (PEP 562), so that importing the package for its
+triton-free parts (step_metadata, config) neither imports triton nor fixes the interpreter
+setting for the process too early.
+"""
+from importlib import import_module
+
+_HOMES = {"triton_attention": "flash_attention", "triton_decode_attention": "decode_attention",
+          "triton_kv_store": "kv_store", "triton_rmsnorm": "rmsnorm", "triton_rope": "rope",
+          "triton_silu_mul": "silu_mul", "StepMetadata": "step_metadata",
+          "build_step_metadata": "step_metadata"}
+
+__all__ = sorted(_HOMES)
+
+
+def __getattr__(name: str):
+    if name not in _HOMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(f"{__name__}.{_HOMES[name]}"), name)

@@ -16,11 +16,11 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.rank.attention import AttentionMetadata
 from engine.rank.kernels.flash_attention import paged_attention_reference as decode_attention_reference  # noqa: F401  (the plain-torch function this kernel computes)
 from engine.rank.kernels.interpreter import needs_fp32_dot
 from engine.rank.kernels.online_softmax import fold_tile
-from engine.rank.kernels.paging import block_table_tensor, load_kv_tile
+from engine.rank.kernels.paging import load_kv_tile
+from engine.rank.kernels.step_metadata import as_step_metadata, decode_kv_per_split
 from engine.rank.kv_cache import KVCache
 
 _LOG2E = 1.4426950408889634
@@ -30,9 +30,9 @@ _LOG2E = 1.4426950408889634
 def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, ctx_ptr, table_ptr, group_ptr,
                          part_acc_ptr, part_m_ptr, part_l_ptr, qk_scale,
                          stride_qb, stride_qh,
-                         stride_cblock, stride_cslot, stride_chead, stride_table, stride_group,
+                         stride_cblock, stride_cslot, stride_chead, stride_table, group_width,
                          stride_pb, stride_ph,
-                         block_size, head_dim, kv_per_split,
+                         kv_per_split, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
                          BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                          FP32_DOT: tl.constexpr, PRECISION: tl.constexpr):
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -43,8 +43,10 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, ctx_ptr, table_ptr, gr
 
     offs_g = tl.arange(0, BLOCK_G)
     offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < head_dim
-    q_head = tl.load(group_ptr + kv_head * stride_group + offs_g)  # -1 pads the group
+    d_ok = offs_d < HEAD_DIM  # constant: all true unless the head dim is padded
+    # -1 pads the group; the rows past its width pad the MMA's 16-row minimum
+    q_head = tl.load(group_ptr + kv_head * group_width + offs_g, mask=offs_g < group_width,
+                     other=-1)
     g_ok = q_head >= 0
     q = tl.load(q_ptr + seq.to(tl.int64) * stride_qb + q_head[:, None] * stride_qh
                 + offs_d[None, :], mask=g_ok[:, None] & d_ok[None, :], other=0.0)
@@ -58,7 +60,7 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, ctx_ptr, table_ptr, gr
         pos = n0 + tl.arange(0, BLOCK_N)
         in_split = pos < end
         k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, table_ptr, pos, in_split, kv_head, offs_d,
-                            d_ok, stride_cblock, stride_cslot, stride_chead, block_size, FP32_DOT)
+                            d_ok, stride_cblock, stride_cslot, stride_chead, BLOCK_SIZE, FP32_DOT)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # log2 units
         s = tl.where(in_split[None, :], s, float("-inf"))
         # the first tile of a split always holds key `start`, so every row has a finite score
@@ -97,54 +99,37 @@ def _decode_merge_kernel(part_acc_ptr, part_m_ptr, part_l_ptr, ctx_ptr, out_ptr,
              out.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
-def _group_table(kv_head_of_q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
-    """[hkv, BLOCK_G] int32: the query heads reading each KV head, padded with -1. Built from the
-    explicit map because GQA groups may be uneven on a tensor-parallel rank."""
-    groups: list[list[int]] = [[] for _ in range(num_kv_heads)]
-    for q_head, kv_head in enumerate(kv_head_of_q.tolist()):
-        groups[kv_head].append(q_head)
-    width = max(16, triton.next_power_of_2(max(len(g) for g in groups)))
-    rows = [g + [-1] * (width - len(g)) for g in groups]
-    return torch.tensor(rows, dtype=torch.int32, device=kv_head_of_q.device)
-
-
-def _default_kv_per_split(q: torch.Tensor, num_seqs: int, num_kv_heads: int, max_kv: int,
-                          block_n: int) -> int:
-    """Enough splits for about two programs per SM, but no split under 256 keys: shorter ones
-    cost more in partial writes and merging than they win in parallelism."""
-    if q.device.type != "cuda":
-        return triton.cdiv(max_kv, block_n) * block_n  # the interpreter gains nothing from splits
-    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    splits = triton.cdiv(2 * sms, num_seqs * num_kv_heads)
-    per_split = triton.cdiv(triton.cdiv(max_kv, splits), block_n) * block_n
-    return max(256, per_split)
-
-
 def triton_decode_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                            cache: KVCache, meta: AttentionMetadata, scale: float,
+                            cache: KVCache, meta, scale: float,
                             kv_per_split: int | None = None,
                             block_n: int | None = None) -> torch.Tensor:
     """Same contract as triton_attention when every sequence has exactly one new token:
     q [B, hq, d], k/v [B, hkv, d] (already in the cache). Returns [B, hq, d] in q's dtype.
-    kv_per_split (a multiple of block_n) overrides the split length."""
+    meta: a StepMetadata (built once per step: no host work here) or an AttentionMetadata
+    (converted on every call). kv_per_split overrides the split length: any positive count
+    works; a multiple of block_n wastes no loads (the last tile of a split is masked)."""
     num_seqs, num_q_heads, head_dim = q.shape
-    assert meta.cu_seqlens_q == list(range(num_seqs + 1)), "decode takes one query per sequence"
+    step = as_step_metadata(meta, q.device)
+    if step.num_seqs != num_seqs or not (step.is_decode or num_seqs == 0):
+        raise ValueError(f"decode attention takes one new token per sequence; got {num_seqs} "
+                         f"queries for cu_seqlens_q {step.cu_seqlens_q}: use triton_attention")
     assert q.stride(-1) == 1, "head dim must be contiguous"
     out = torch.empty((num_seqs, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
     if num_seqs == 0:
         return out
-    num_kv_heads = k.shape[1]
-    block_n = block_n or (16 if q.device.type == "cpu" else 64)
-    max_kv = max(meta.context_lens)
-    kv_per_split = kv_per_split or _default_kv_per_split(q, num_seqs, num_kv_heads, max_kv, block_n)
-    assert kv_per_split % block_n == 0, (kv_per_split, block_n)
-    num_splits = triton.cdiv(max_kv, kv_per_split)
+    defaults = step.defaults
+    if kv_per_split is None:
+        kv_per_split = step.decode_kv_per_split or decode_kv_per_split(
+            q.device, defaults, num_seqs, step.num_kv_heads, step.max_kv)
+    if kv_per_split <= 0:
+        raise ValueError(f"kv_per_split={kv_per_split}: it must be a positive key count")
+    # a tile wider than a split would only load masked keys
+    block_n = block_n or min(defaults.decode_block_n,
+                             max(16, triton.next_power_of_2(kv_per_split)))
+    num_splits = triton.cdiv(step.max_kv, kv_per_split)
 
     dev = q.device
     block_d = max(16, triton.next_power_of_2(head_dim))
-    ctx = torch.tensor(meta.context_lens, dtype=torch.int32, device=dev)
-    table = block_table_tensor(meta.block_tables, dev)
-    groups = _group_table(meta.kv_head_of_q, num_kv_heads)
     part_acc = torch.empty((num_seqs, num_q_heads, num_splits, block_d), dtype=torch.float32,
                            device=dev)
     part_m = torch.empty((num_seqs, num_q_heads, num_splits), dtype=torch.float32, device=dev)
@@ -152,16 +137,16 @@ def triton_decode_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: tor
     k_cache, v_cache = cache.layer(layer)
     fp32_dot = needs_fp32_dot(q)
     precision = "ieee" if q.dtype == torch.float32 or fp32_dot else "tf32"
-    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, ctx, table, groups, part_acc, part_m, part_l, scale * _LOG2E,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), table.stride(0), groups.stride(0),
-        part_m.stride(0), part_m.stride(1),
-        cache.block_size, head_dim, kv_per_split,
-        BLOCK_G=groups.shape[1], BLOCK_N=block_n, BLOCK_D=block_d,
+    _decode_split_kernel[(num_seqs, step.num_kv_heads, num_splits)](
+        q, k_cache, v_cache, step.ctx, step.table, step.groups, part_acc, part_m, part_l,
+        scale * _LOG2E, q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), step.table.stride(0),
+        step.group_width, part_m.stride(0), part_m.stride(1),
+        kv_per_split, BLOCK_SIZE=cache.block_size, HEAD_DIM=head_dim,
+        BLOCK_G=max(16, step.group_width), BLOCK_N=block_n, BLOCK_D=block_d,
         FP32_DOT=fp32_dot, PRECISION=precision)
     _decode_merge_kernel[(num_seqs, num_q_heads)](
-        part_acc, part_m, part_l, ctx, out,
+        part_acc, part_m, part_l, step.ctx, out,
         part_m.stride(0), part_m.stride(1), out.stride(0), out.stride(1),
         head_dim, kv_per_split,
         BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d)

@@ -4,22 +4,37 @@ Each sequence's new queries are the last q_len positions of its context; keys an
 from the paged cache through the block table, so a chunk after earlier chunks, a prefix-cache hit
 and a decode step (q_len = 1) all take the same path.
 
-Grid: (query tile, query head). A query tile is BLOCK_M consecutive new tokens of one sequence;
-the tiles of all sequences are listed on the host, so packed sequences of any length need no
-padding.
-Each program walks the keys in BLOCK_N steps with an online softmax in fp32, so no score matrix
-larger than [BLOCK_M, BLOCK_N] ever exists.
+Grid: (query tile, KV head). A program serves every query head that reads its KV head: its
+BLOCK_M rows are BLOCK_M / GROUP new tokens x the GROUP query heads of the group (padded to a
+power of two), so each K/V tile is loaded once per KV head, not once per query head. It walks the
+keys in BLOCK_N steps with an online softmax in fp32, so no score matrix larger than
+[BLOCK_M, BLOCK_N] ever exists.
+
+Tiles are found on the device: sequence j (in the step's longest-context-first order) owns the
+tile slots from cu_sorted[j] // (BLOCK_M / GROUP) + j on, at least as many as it has tiles, so
+the grid is T // tokens-per-tile + B programs whatever BLOCK_M the autotuner picks, and no tile
+list is built on the host. Within a sequence the last (longest-context) tile runs first, so the
+heaviest programs start first and the short ones fill in behind them.
+
+Keys before a tile's first query are visible to all its rows and lie inside the context: those
+tiles run with no mask at all. Only the diagonal band, which holds the context's last key, is
+masked. On CUDA the launch is autotuned over config.PREFILL_TUNE_SPACE; under the interpreter
+(and when the caller fixes the tile sizes) it runs one configuration.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
 import triton.language as tl
 
 from engine.rank.attention import AttentionMetadata
+from engine.rank.kernels.config import GPU_DEFAULTS, PREFILL_TUNE_SPACE, KernelDefaults
 from engine.rank.kernels.interpreter import needs_fp32_dot
 from engine.rank.kernels.online_softmax import fold_tile
-from engine.rank.kernels.paging import block_table_tensor, load_kv_tile
+from engine.rank.kernels.paging import load_kv_tile
+from engine.rank.kernels.step_metadata import as_step_metadata
 from engine.rank.kv_cache import KVCache
 
 _LOG2E = 1.4426950408889634
@@ -28,19 +43,22 @@ _LOG2E = 1.4426950408889634
 @triton.jit
 def _attend_tile(acc, m_i, l_i, q, q_pos, qk_scale, k_cache_ptr, v_cache_ptr, table_ptr,
                  n_start, n_end, kv_len, kv_head,
-                 stride_cblock, stride_cslot, stride_chead, block_size, head_dim,
-                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                 CAUSAL: tl.constexpr, FP32_DOT: tl.constexpr, PRECISION: tl.constexpr):
+                 stride_cblock, stride_cslot, stride_chead, BLOCK_SIZE: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                 CAUSAL: tl.constexpr, MASKED: tl.constexpr, FP32_DOT: tl.constexpr,
+                 PRECISION: tl.constexpr):
     """Fold keys [n_start, n_end) into the running (acc, m_i, l_i). Scores are kept in log2 units
     (qk_scale = scale * log2 e) so exp2 can be used. With CAUSAL False the caller guarantees that
-    every key is visible to every query row, so no mask is applied."""
+    every key is visible to every query row, so no score mask is applied, and with MASKED False
+    that every key is inside the context and the head dim is unpadded, so no load mask either."""
     offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < head_dim
+    d_ok = offs_d < HEAD_DIM
     for n0 in range(n_start, n_end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         in_ctx = pos < kv_len
         k, v = load_kv_tile(k_cache_ptr, v_cache_ptr, table_ptr, pos, in_ctx, kv_head, offs_d,
-                            d_ok, stride_cblock, stride_cslot, stride_chead, block_size, FP32_DOT)
+                            d_ok, stride_cblock, stride_cslot, stride_chead, BLOCK_SIZE, FP32_DOT,
+                            MASKED)
         # scaled in fp32: folding the scale into a 16-bit q would round it once more
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
         if CAUSAL:
@@ -53,98 +71,145 @@ def _attend_tile(acc, m_i, l_i, q, q_pos, qk_scale, k_cache_ptr, v_cache_ptr, ta
 
 
 @triton.jit
+def _find_tile(cu_sorted_ptr, num_seqs, tile, TOKENS: tl.constexpr):
+    """(j, i): the sequence j, in heaviest-first order, whose slots hold `tile` (the largest j
+    with cu_sorted[j] // TOKENS + j <= tile, by binary search), and the slot's index i in it."""
+    lo = tile * 0
+    hi = lo + num_seqs
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        owns = tl.load(cu_sorted_ptr + mid) // TOKENS + mid <= tile
+        lo = tl.where(owns, mid, lo)
+        hi = tl.where(owns, hi, mid)
+    return lo, tile - (tl.load(cu_sorted_ptr + lo) // TOKENS + lo)
+
+
+@triton.jit
 def _flash_prefill_kernel(q_ptr, out_ptr, k_cache_ptr, v_cache_ptr,
-                          tile_seq_ptr, tile_start_ptr, cu_q_ptr, ctx_ptr, table_ptr,
-                          kv_head_of_q_ptr, qk_scale,
+                          cu_q_ptr, ctx_ptr, order_ptr, cu_sorted_ptr, table_ptr, group_ptr,
+                          num_seqs, qk_scale,
                           stride_qt, stride_qh, stride_ot, stride_oh,
                           stride_cblock, stride_cslot, stride_chead, stride_table,
-                          block_size, head_dim,
+                          BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                          FP32_DOT: tl.constexpr, PRECISION: tl.constexpr):
-    tile, head = tl.program_id(0), tl.program_id(1)
-    seq = tl.load(tile_seq_ptr + tile)
-    m0 = tl.load(tile_start_ptr + tile)  # first new token of this tile, relative to its sequence
+                          MASK_FULL_TILES: tl.constexpr, FP32_DOT: tl.constexpr,
+                          PRECISION: tl.constexpr):
+    kv_head = tl.program_id(1)
+    j, slot = _find_tile(cu_sorted_ptr, num_seqs, tl.program_id(0), BLOCK_M // GROUP)
+    seq = tl.load(order_ptr + j)
     q_begin = tl.load(cu_q_ptr + seq)
     q_len = tl.load(cu_q_ptr + seq + 1) - q_begin
     kv_len = tl.load(ctx_ptr + seq)
-    kv_head = tl.load(kv_head_of_q_ptr + head)  # explicit map: GQA groups may be uneven on a rank
     table_ptr += seq.to(tl.int64) * stride_table
+    n_tiles = tl.cdiv(q_len, BLOCK_M // GROUP)
+    active = slot < n_tiles  # a sequence owns a slot or so more than it has tiles
+    # the sequence's last tile (the longest context) first; an idle slot gets an empty tile
+    m0 = tl.where(active, (n_tiles - 1 - slot) * (BLOCK_M // GROUP), q_len)
 
-    offs_m = m0 + tl.arange(0, BLOCK_M)
+    # packed rows: row r is token m0 + r // GROUP, query head groups[kv_head, r % GROUP]
+    offs_r = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    row_ok = offs_m < q_len
-    io_mask = row_ok[:, None] & (offs_d[None, :] < head_dim)
-    rows = (q_begin + offs_m).to(tl.int64)
-    q = tl.load(q_ptr + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+    token = m0 + offs_r // GROUP
+    q_head = tl.load(group_ptr + kv_head * GROUP + offs_r % GROUP)  # -1 pads the group
+    row_ok = (token < q_len) & (q_head >= 0)
+    io_mask = row_ok[:, None] & (offs_d[None, :] < HEAD_DIM)
+    rows = (q_begin + token).to(tl.int64)
+    q = tl.load(q_ptr + rows[:, None] * stride_qt + q_head[:, None] * stride_qh + offs_d[None, :],
                 mask=io_mask, other=0.0)
     if FP32_DOT:
         q = q.to(tl.float32)
-    q_pos = kv_len - q_len + offs_m  # absolute positions; padding rows run past kv_len - 1
+    q_pos = kv_len - q_len + token  # absolute positions; padding rows run past kv_len - 1
 
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     # keys before the tile's first query are visible to all its rows: no mask needed there
-    first_pos = kv_len - q_len + m0
-    full_end = (first_pos // BLOCK_N) * BLOCK_N
+    full_end = tl.where(active, ((kv_len - q_len + m0) // BLOCK_N) * BLOCK_N, 0)
     acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, q_pos, qk_scale,
                                  k_cache_ptr, v_cache_ptr, table_ptr, 0, full_end, kv_len, kv_head,
-                                 stride_cblock, stride_cslot, stride_chead, block_size, head_dim,
-                                 BLOCK_N, BLOCK_D, False, FP32_DOT, PRECISION)
-    # the diagonal band: keys up to the tile's last real query, masked causally
-    last_pos = kv_len - q_len + tl.minimum(m0 + BLOCK_M, q_len) - 1
+                                 stride_cblock, stride_cslot, stride_chead, BLOCK_SIZE, HEAD_DIM,
+                                 BLOCK_N, BLOCK_D, False, MASK_FULL_TILES, FP32_DOT, PRECISION)
+    # the diagonal band: keys up to the tile's last real query, masked causally; it holds the
+    # context's last key, so it is the only place the context-length mask is needed
+    band_end = tl.where(active, kv_len - q_len + tl.minimum(m0 + BLOCK_M // GROUP, q_len), 0)
     acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, q_pos, qk_scale,
-                                 k_cache_ptr, v_cache_ptr, table_ptr, full_end, last_pos + 1,
+                                 k_cache_ptr, v_cache_ptr, table_ptr, full_end, band_end,
                                  kv_len, kv_head,
-                                 stride_cblock, stride_cslot, stride_chead, block_size, head_dim,
-                                 BLOCK_N, BLOCK_D, True, FP32_DOT, PRECISION)
+                                 stride_cblock, stride_cslot, stride_chead, BLOCK_SIZE, HEAD_DIM,
+                                 BLOCK_N, BLOCK_D, True, True, FP32_DOT, PRECISION)
 
-    out = acc / l_i[:, None]
-    tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # 0 only in rows that are not stored
+    tl.store(out_ptr + rows[:, None] * stride_ot + q_head[:, None] * stride_oh + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
 
-def _default_blocks(q: torch.Tensor, head_dim: int) -> tuple[int, int]:
-    if q.device.type == "cpu":  # interpreter: small tiles, so tiny test shapes still span several
-        return 16, 16
-    return (64, 64) if head_dim <= 128 else (64, 32)  # stay within shared memory for wide heads
+def _keep_configs_that_fit(configs, named_args, **kwargs):
+    """A tile must hold at least one token of every query head of a group. Triton passes the
+    positional arguments as named_args and the keyword ones (GROUP among them) as kwargs."""
+    group = kwargs.get("GROUP", named_args.get("GROUP", 1))
+    return [c for c in configs if c.kwargs["BLOCK_M"] >= group] or configs[:1]
+
+
+def prefill_autotuner(tiles: list[tuple[int, int, int, int]]):
+    """The prefill kernel behind triton.autotune over (block_m, block_n, warps, stages) tiles,
+    tuned once per (head dim, group width, page size, dtypes): never per token count."""
+    configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
+               for m, n, w, s in tiles]
+    return triton.autotune(configs, key=["HEAD_DIM", "GROUP", "BLOCK_SIZE"],
+                           prune_configs_by={"early_config_prune": _keep_configs_that_fit}
+                           )(_flash_prefill_kernel)
+
+
+# under the interpreter one config, the GPU's default: no search (it would need a GPU to time)
+_flash_prefill_tuned = prefill_autotuner(
+    PREFILL_TUNE_SPACE[:1] if os.environ.get("TRITON_INTERPRET") == "1" else PREFILL_TUNE_SPACE)
+_TUNE_CONFIGS = _flash_prefill_tuned.configs
 
 
 def triton_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     cache: KVCache, meta: AttentionMetadata, scale: float,
-                     block_m: int | None = None, block_n: int | None = None) -> torch.Tensor:
+                     cache: KVCache, meta, scale: float,
+                     block_m: int | None = None, block_n: int | None = None,
+                     autotune: bool | None = None,
+                     defaults: KernelDefaults | None = None) -> torch.Tensor:
     """q: [T, hq, d] for the new tokens, whose K/V (k/v: [T, hkv, d]) are already in the cache.
-    Returns the causal attention of the new tokens over their whole context, [T, hq, d] in q's
-    dtype."""
+    meta: a StepMetadata (built once per step: no host work here) or an AttentionMetadata
+    (converted on every call). Returns the causal attention of the new tokens over their whole
+    context, [T, hq, d] in q's dtype. Tile sizes: block_m/block_n if given, else autotuned on
+    CUDA (autotune=None) or `defaults` (the step's, i.e. the device's, when None)."""
     num_tokens, num_q_heads, head_dim = q.shape
-    out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
-    default_m, default_n = _default_blocks(q, head_dim)
-    block_m, block_n = block_m or default_m, block_n or default_n
     assert q.stride(-1) == 1, "head dim must be contiguous"
-
-    cu = meta.cu_seqlens_q
-    tiles = [(i, m0) for i in range(len(cu) - 1) for m0 in range(0, cu[i + 1] - cu[i], block_m)]
-    if not tiles:
+    out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
+    step = as_step_metadata(meta, q.device)
+    if num_tokens == 0 or step.num_seqs == 0:
         return out
-    dev = q.device
-    tile_seq = torch.tensor([t[0] for t in tiles], dtype=torch.int32, device=dev)
-    tile_start = torch.tensor([t[1] for t in tiles], dtype=torch.int32, device=dev)
-    cu_q = torch.tensor(cu, dtype=torch.int32, device=dev)
-    ctx = torch.tensor(meta.context_lens, dtype=torch.int32, device=dev)
-    table = block_table_tensor(meta.block_tables, dev)
+    defaults = defaults or step.defaults
+    group = step.group_width
+    block_d = max(16, triton.next_power_of_2(head_dim))
     k_cache, v_cache = cache.layer(layer)
     fp32_dot = needs_fp32_dot(q)
     # fp32 inputs get full-precision dots (tf32 would cost ~1e-3 relative error); 16-bit ones
     # ignore the setting
     precision = "ieee" if q.dtype == torch.float32 or fp32_dot else "tf32"
-    _flash_prefill_kernel[(len(tiles), num_q_heads)](
-        q, out, k_cache, v_cache, tile_seq, tile_start, cu_q, ctx, table,
-        meta.kv_head_of_q, scale * _LOG2E,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), table.stride(0),
-        cache.block_size, head_dim,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        FP32_DOT=fp32_dot, PRECISION=precision)
+    args = (q, out, k_cache, v_cache, step.cu_q, step.ctx, step.order, step.cu_sorted, step.table,
+            step.groups, step.num_seqs, scale * _LOG2E,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), step.table.stride(0))
+    consts = dict(BLOCK_SIZE=cache.block_size, HEAD_DIM=head_dim, GROUP=group, BLOCK_D=block_d,
+                  MASK_FULL_TILES=block_d != head_dim, FP32_DOT=fp32_dot, PRECISION=precision)
+
+    def grid(c):  # tile slots: T // tokens per tile + one per sequence (see the module doc)
+        return (num_tokens // (c["BLOCK_M"] // group) + step.num_seqs, step.num_kv_heads)
+
+    tune = (q.device.type == "cuda") if autotune is None else autotune
+    if tune and block_m is None and block_n is None and group <= GPU_DEFAULTS.prefill_block_m:
+        _flash_prefill_tuned[grid](*args, **consts)
+        return out
+    wide = head_dim > 128
+    block_m = max(block_m or defaults.prefill_block_m, group, 16)
+    block_n = block_n or (defaults.prefill_block_n_wide if wide else defaults.prefill_block_n)
+    _flash_prefill_kernel[grid({"BLOCK_M": block_m})](
+        *args, **consts, BLOCK_M=block_m, BLOCK_N=block_n,
+        num_warps=defaults.prefill_num_warps, num_stages=defaults.prefill_num_stages)
     return out
 
 

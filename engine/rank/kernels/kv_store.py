@@ -15,8 +15,10 @@ def _kv_store_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
                      num_heads, head_dim,
                      BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
     # one program per token: its K and V rows for every KV head are one contiguous slot in the cache
-    t = tl.program_id(0)
-    slot = tl.load(slot_ptr + t).to(tl.int64)  # int64: slot * slot stride can pass 2**31
+    # int64 offsets: slot * slot stride passes 2**31 in a cache over 2 GiB per layer, and
+    # t * token stride does in a batch of 64k tokens of a wide fused QKV projection
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_H)[:, None]
     offs_d = tl.arange(0, BLOCK_D)[None, :]
     mask = (offs_h < num_heads) & (offs_d < head_dim)
@@ -40,7 +42,7 @@ def triton_kv_store(cache: KVCache, layer: int, k: torch.Tensor, v: torch.Tensor
     _kv_store_kernel[(num_tokens,)](
         k, v, k_cache, v_cache, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(1), k_cache.stride(2),
+        k_cache.stride(1), k_cache.stride(2),  # slot and head strides of the flat slot view
         num_heads, head_dim,
         BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_D=triton.next_power_of_2(head_dim))
 

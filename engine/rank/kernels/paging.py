@@ -1,29 +1,33 @@
-"""Device-side form of the paged-cache bookkeeping that the scheduler hands over as Python lists."""
+"""Reading K/V through the block table: the paged-cache lookup both attention kernels share.
+(The block tables themselves reach the device in engine.rank.kernels.step_metadata.)"""
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
 
-def block_table_tensor(block_tables: list[list[int]], device: torch.device) -> torch.Tensor:
-    """[B, max blocks] int32; short rows are padded with 0, which kernels never read because
-    they mask every key position at or past the sequence's context length."""
-    width = max((len(t) for t in block_tables), default=0) or 1
-    rows = [t + [0] * (width - len(t)) for t in block_tables]
-    return torch.tensor(rows, dtype=torch.int32, device=device).reshape(len(block_tables), width)
-
-
 @triton.jit
 def load_kv_tile(k_cache_ptr, v_cache_ptr, table_ptr, pos, valid, kv_head, offs_d, d_ok,
-                 stride_cblock, stride_cslot, stride_chead, block_size, FP32_DOT: tl.constexpr):
+                 stride_cblock, stride_cslot, stride_chead, block_size, FP32_DOT: tl.constexpr,
+                 MASKED: tl.constexpr = True):
     """K and V rows [len(pos), BLOCK_D] of one KV head at context positions `pos` (masked by
-    `valid`). Each key finds its own page, so a tile need not match the cache's block size."""
-    block = tl.load(table_ptr + pos // block_size, mask=valid, other=0).to(tl.int64)
-    row = block * stride_cblock + (pos % block_size) * stride_cslot + kv_head * stride_chead
-    kv_mask = valid[:, None] & d_ok[None, :]
-    k = tl.load(k_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    `valid` when MASKED; the caller may drop the mask for tiles wholly inside the context, where
+    the head dim is not padded either). Each key finds its own page, so a tile need not match
+    the cache's block size. Offsets are int64: block * block stride passes 2**31 in a cache of
+    a few GiB."""
+    if MASKED:
+        block = tl.load(table_ptr + pos // block_size, mask=valid, other=0).to(tl.int64)
+    else:
+        block = tl.load(table_ptr + pos // block_size).to(tl.int64)
+    row = (block * stride_cblock + (pos % block_size).to(tl.int64) * stride_cslot
+           + kv_head.to(tl.int64) * stride_chead)
+    if MASKED:
+        kv_mask = valid[:, None] & d_ok[None, :]
+        k = tl.load(k_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+    else:
+        k = tl.load(k_cache_ptr + row[:, None] + offs_d[None, :])
+        v = tl.load(v_cache_ptr + row[:, None] + offs_d[None, :])
     if FP32_DOT:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
