@@ -84,13 +84,13 @@ class RankInfo:
 
 def make_plan(cfg: EngineConfig, source: str, mc: ModelConfig) -> EnginePlan:
     """Resolve the settings against the model once; a setting that cannot work fails here."""
-    from engine.rank.backend import select_backend
+    from engine.rank.backend import TORCH, select_backend
 
     try:
         heads = partition_heads(mc.num_heads, mc.num_kv_heads, cfg.tp)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    backend = select_backend(cfg.attention_backend, cfg.device).name
+    backend = "torch" if select_backend(cfg.attention_backend, cfg.device) is TORCH else "triton"
     max_model_len = cfg.max_model_len or mc.max_position_embeddings
     if max_model_len > mc.max_position_embeddings:
         raise ConfigError(f"max_model_len={cfg.max_model_len} exceeds the model's context of "

@@ -32,7 +32,7 @@ class StepContext:
     """What every layer of one forward shares: this rank's cache and the step's metadata."""
 
     cache: KVCache
-    meta: AttentionMetadata
+    meta: AttentionMetadata  # or its device form, kernels.step_metadata.StepMetadata
 
 
 class KVStore(nn.Module):

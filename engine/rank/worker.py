@@ -15,9 +15,10 @@ from engine.errors import ModelLoadError
 from engine.loading.checkpoint import Checkpoint, open_checkpoint
 from engine.observe.tracer import OpTracer
 from engine.plan import EnginePlan, RankInfo
-from engine.rank.attention import AttentionMetadata, StepContext
+from engine.rank.attention import StepContext
 from engine.rank.backend import select_backend
 from engine.rank.compiled import CompiledLayers, warm_up
+from engine.rank.kernels.step_metadata import build_step_metadata
 from engine.rank.kv_cache import KVCache
 from engine.rank.model import CausalLM
 from engine.rank.sampler import sample
@@ -52,8 +53,7 @@ class Worker:
         self._load(checkpoint or open_checkpoint(plan.source))
         self.cache = KVCache(plan.model.num_layers, plan.num_blocks, plan.block_size,
                              shard.heads.num_kv_heads, plan.model.head_dim, plan.dtype, self.device)
-        mapping = shard.heads.kv_head_of_q_head()
-        self.kv_head_of_q = torch.tensor(mapping, device=self.device)
+        self.kv_head_of_q = mapping = shard.heads.kv_head_of_q_head()
         group = len(mapping) // shard.heads.num_kv_heads
         self.uniform_groups = mapping == [h // group for h in range(len(mapping))]
         self.sampler = Sampler()
@@ -103,11 +103,10 @@ class Worker:
 
     def execute(self, batch: Batch) -> StepResult | None:
         dev, start, collective_before = self.device, time.perf_counter(), comm.CLOCK.seconds
-        meta = AttentionMetadata(
-            cu_seqlens_q=batch.cu_seqlens_q, context_lens=batch.context_lens,
-            block_tables=batch.block_tables,
-            slot_mapping=torch.tensor(batch.slot_mapping, device=dev),
-            kv_head_of_q=self.kv_head_of_q, uniform_groups=self.uniform_groups)
+        # the step's metadata goes to the device once, in one copy, and every layer reads it
+        meta = build_step_metadata(batch.cu_seqlens_q, batch.context_lens, batch.block_tables,
+                                   batch.slot_mapping, self.kv_head_of_q, dev,
+                                   uniform_groups=self.uniform_groups)
         logits = self.model(torch.tensor(batch.token_ids, device=dev),
                             torch.tensor(batch.positions, device=dev), StepContext(self.cache, meta),
                             torch.tensor(batch.logits_indices, device=dev, dtype=torch.long))
