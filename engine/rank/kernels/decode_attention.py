@@ -16,14 +16,12 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.rank.kernels.flash_attention import paged_attention_reference as decode_attention_reference  # noqa: F401  (the plain-torch function this kernel computes)
 from engine.rank.kernels.interpreter import needs_fp32_dot
-from engine.rank.kernels.online_softmax import fold_tile
+from engine.rank.kernels.online_softmax import LOG2E, dot_precision, fold_tile
 from engine.rank.kernels.paging import load_kv_tile
 from engine.rank.kernels.step_metadata import as_step_metadata, decode_kv_per_split
 from engine.rank.kv_cache import KVCache
 
-_LOG2E = 1.4426950408889634
 
 
 @triton.jit
@@ -136,10 +134,10 @@ def triton_decode_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: tor
     part_l = torch.empty_like(part_m)
     k_cache, v_cache = cache.layer(layer)
     fp32_dot = needs_fp32_dot(q)
-    precision = "ieee" if q.dtype == torch.float32 or fp32_dot else "tf32"
+    precision = dot_precision(q.dtype, fp32_dot)
     _decode_split_kernel[(num_seqs, step.num_kv_heads, num_splits)](
         q, k_cache, v_cache, step.ctx, step.table, step.groups, part_acc, part_m, part_l,
-        scale * _LOG2E, q.stride(0), q.stride(1),
+        scale * LOG2E, q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), step.table.stride(0),
         step.group_width, part_m.stride(0), part_m.stride(1),
         kv_per_split, BLOCK_SIZE=cache.block_size, HEAD_DIM=head_dim,

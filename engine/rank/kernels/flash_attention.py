@@ -32,12 +32,11 @@ import triton.language as tl
 from engine.rank.attention import AttentionMetadata
 from engine.rank.kernels.config import GPU_DEFAULTS, PREFILL_TUNE_SPACE, KernelDefaults
 from engine.rank.kernels.interpreter import needs_fp32_dot
-from engine.rank.kernels.online_softmax import fold_tile
+from engine.rank.kernels.online_softmax import LOG2E, dot_precision, fold_tile
 from engine.rank.kernels.paging import load_kv_tile
 from engine.rank.kernels.step_metadata import as_step_metadata
 from engine.rank.kv_cache import KVCache
 
-_LOG2E = 1.4426950408889634
 
 
 @triton.jit
@@ -187,11 +186,9 @@ def triton_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     block_d = max(16, triton.next_power_of_2(head_dim))
     k_cache, v_cache = cache.layer(layer)
     fp32_dot = needs_fp32_dot(q)
-    # fp32 inputs get full-precision dots (tf32 would cost ~1e-3 relative error); 16-bit ones
-    # ignore the setting
-    precision = "ieee" if q.dtype == torch.float32 or fp32_dot else "tf32"
+    precision = dot_precision(q.dtype, fp32_dot)
     args = (q, out, k_cache, v_cache, step.cu_q, step.ctx, step.order, step.cu_sorted, step.table,
-            step.groups, step.num_seqs, scale * _LOG2E,
+            step.groups, step.num_seqs, scale * LOG2E,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), step.table.stride(0))
     consts = dict(BLOCK_SIZE=cache.block_size, HEAD_DIM=head_dim, GROUP=group, BLOCK_D=block_d,
