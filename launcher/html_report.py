@@ -92,7 +92,8 @@ def write_html(path: Path, parts: list[Part], images: dict[str, Path], trace: di
                         f"</h2><p>One row per prompt length in sweep.jsonl (python -m launcher.walkthrough -m "
                         f"prompt_len=128,512,2048,8192).</p>{_img(images['sweep'], 'sweep')}</section>")
     sections.append(_trace_section(extra + 1, trace))
-    nav = " ".join(f'<a href="#{p.key}">{html.escape(p.heading.split(":")[0].split(" (")[0])}</a>' for p in parts)
+    keys = [p.key for p in parts] + (["sweep"] if "sweep" in images else []) + ["trace"]
+    nav = " ".join(f'<a href="#{k}">{i}. {k.replace("_", " ")}</a>' for i, k in enumerate(keys, 1))
     page = (f"<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\"><title>{html.escape(title)}</title>"
             f"<style>{STYLE}</style><script>{OPEN_TRACE}</script></head><body><h1>{html.escape(title)}</h1>"
             f"<nav>{nav}</nav>{''.join(sections)}</body></html>")

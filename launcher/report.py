@@ -126,14 +126,18 @@ def _measured(numbers: dict) -> str:
     """A claim's numbers, short: shares as percentages, bytes and rates in SI units."""
     out = []
     for k, v in numbers.items():
+        label = k.replace("_per_s", "/s").replace("flops", "FLOP").replace("_", " ")
         if isinstance(v, float):
-            v = (f"{v:.1%}" if "share" in k else si(v, "B") if "bytes" in k
-                 else si(v, "FLOP/s") if "per_s" in k else f"{v:.3g}")
+            if k.endswith("_s") and not k.endswith("per_s"):
+                label, v = label[:-2], f"{v * 1e3:.1f} ms"
+            else:
+                v = (f"{v:.1%}" if "share" in k else si(v, "B") if "bytes" in k
+                     else si(v, "FLOP/s") if "per_s" in k else f"{v:.3g}")
         elif isinstance(v, int) and "bytes" in k:
             v = f"{v:,}"
         elif isinstance(v, list) and len(v) > 6:
             v = f"[{', '.join(map(str, v[:6]))}, ...] ({len(v)})"
-        out.append(f"{k.replace('_', ' ')} {v}")
+        out.append(f"{label} {v}")
     return "; ".join(out)
 
 

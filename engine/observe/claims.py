@@ -78,7 +78,9 @@ def _prefill_projections(d: dict) -> Claim:
     if x < PREFILL_MIN_INTENSITY:
         need = tokens_for_intensity(d["model"], PREFILL_MIN_INTENSITY)
         c.why = (f"only {tokens} prompt tokens: each weight read is reused {tokens} times, giving "
-                 f"{x:.1f} FLOP/byte; this model reaches {PREFILL_MIN_INTENSITY:.0f} at ~{need} tokens")
+                 f"{x:.1f} FLOP/byte; " + (f"this model reaches {PREFILL_MIN_INTENSITY:.0f} at ~{need} tokens"
+                                           if need else "this model's matrices are too small ever to reach "
+                                           f"{PREFILL_MIN_INTENSITY:.0f}"))
         if x >= ridge:
             c.why += f" (still right of this roof's low ridge, {ridge:.1f}: compute-bound here)"
     elif x < ridge:
