@@ -3,6 +3,7 @@ intensity and achieved FLOP/s against prompt length, prefill vs decode, with the
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -54,6 +55,7 @@ def sweep_png(rows: list[dict], path: Path) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
     import numpy as np
 
     last = rows[-1]  # the plot is of the latest run's setting
@@ -71,15 +73,21 @@ def sweep_png(rows: list[dict], path: Path) -> Path:
     ts = np.unique(np.logspace(0, np.log10(max(max(lens), 16) * 2), 80).astype(int))
     left.plot(ts, [model_projection_intensity(last["model_shape"], int(t)) for t in ts], ":", color="tab:blue",
               lw=1, label="prefill, counted from the shapes")
-    ridge, cross = last["ridge"], tokens_for_intensity(last["model_shape"], last["ridge"])
-    left.axhline(ridge, color="k", ls="--", lw=1, label=f"ridge of {last['hardware']}: {ridge:.1f} FLOP/B")
+    # a measured roof differs from run to run: the median of the runs' roofs stands for them all
+    ridge, peak = statistics.median(r["ridge"] for r in rows), statistics.median(r["peak_flops"] for r in rows)
+    cross = tokens_for_intensity(last["model_shape"], ridge)
+    left.axhline(ridge, color="k", ls="--", lw=1, label=f"ridge of {last['hardware']}: {ridge:.1f} FLOP/B"
+                 + (f" (median of {len(rows)} runs)" if len(rows) > 1 else ""))
     if cross:
         left.axvline(cross, color="grey", ls=":", lw=1)
-        left.annotate(f"prefill compute-bound\nfrom ~{cross} tokens", (cross, ridge), xytext=(6, 12),
-                      textcoords="offset points", fontsize=8)
-    right.axhline(last["peak_flops"], color="k", ls="--", lw=1, label=f"peak of {last['hardware']}")
+        left.annotate(f"prefill compute-bound\nfrom ~{cross} tokens" if cross > 1 else "prefill right of\nthe ridge "
+                      "at any length", (cross, ridge), xytext=(6, 12), textcoords="offset points", fontsize=8)
+    right.axhline(peak, color="k", ls="--", lw=1, label=f"peak of {last['hardware']}")
     for ax, ylabel in ((left, "arithmetic intensity (FLOP/byte)"), (right, "achieved FLOP/s")):
         ax.set(xscale="log", yscale="log", xlabel="prompt tokens", ylabel=ylabel)
+        ticks = sorted(set(lens) | ({1, 10} if ax is left else set()))  # left also draws the model's curve
+        ax.set_xticks(ticks, [str(n) for n in ticks])
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7.5)
     fig.suptitle(f"{last['model']} {last['dtype']} tp={last['tp']}: where prefill becomes compute-bound",

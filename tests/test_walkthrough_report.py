@@ -52,6 +52,11 @@ def test_smollm2_2048_tokens_prefill_compute_bound_decode_memory_bound(smollm2_l
     kv = claims["kv_written_once"]
     assert kv["holds"] and kv["measured"]["written_bytes"] == 2 * 30 * 3 * 64 * 2048 * 4
     assert claims["all_reduce_per_layer"]["holds"] is None  # tp=1
+    # the same counts under an H100's roof: its ridge (989 TFLOP/s / 3.35 TB/s = 295) is above 174
+    d = report.to_dict()
+    d["hardware"] = Hardware("h100", 989e12, 3.35e12).to_dict()
+    on_h100 = {c.key: c for c in check_claims(d)}["prefill_compute_bound"]
+    assert on_h100.holds is False and "ridge is 295" in on_h100.why
 
 
 def test_a_12_token_prompt_does_not_reach_100_flop_per_byte(smollm2_llm):

@@ -84,8 +84,10 @@ def _prefill_projections(d: dict) -> Claim:
         if x >= ridge:
             c.why += f" (still right of this roof's low ridge, {ridge:.1f}: compute-bound here)"
     elif x < ridge:
-        c.why = (f"{d['hardware']['name']}'s ridge is {ridge:.0f} FLOP/byte, above the prefill's "
-                 f"{x:.0f}: this hardware needs ~{tokens_for_intensity(d['model'], ridge)} tokens")
+        need = tokens_for_intensity(d["model"], ridge)
+        c.why = (f"{d['hardware']['name']}'s ridge is {ridge:.0f} FLOP/byte, above the prefill's {x:.0f}: "
+                 + (f"this hardware needs ~{need} tokens" if need else
+                    f"this model's {d['model']['dtype']} matrices never get there (a narrower dtype doubles it)"))
     return c
 
 
