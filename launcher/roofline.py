@@ -1,6 +1,7 @@
 """The roofline of one walkthrough: one labelled point per op kind and phase, under the roof."""
 from __future__ import annotations
 
+import math
 import statistics
 
 COLOURS = {"prefill": "tab:blue", "decode": "tab:orange"}
@@ -71,9 +72,14 @@ def roofline_png(d: dict, path: str) -> None:
                         color=colour, mfc=colour if phase == "prefill" else "white", ecolor=colour,
                         elinewidth=0.8, capsize=2)
             ly = _spread_labels(placed[phase], p["x"], p["y"])
-            ax.annotate(p["name"], (p["x"], p["y"]), xytext=(p["x"] * (1.15 if right else 0.87), ly),
+            # the label clears every neighbouring point on its side, so a cluster's labels form a column
+            near = [q["x"] for q in ps
+                    if abs(math.log10(q["x"] / p["x"])) < 0.4 and abs(math.log10(q["y"] / p["y"])) < 0.5]
+            lx = max(near) * 1.15 if right else min(near) * 0.87
+            ax.annotate(p["name"], (p["x"], p["y"]), xytext=(lx, ly),
                         fontsize=7.5, color=colour, ha="left" if right else "right", va="center",
-                        arrowprops={"arrowstyle": "-", "color": colour, "lw": 0.4} if ly != p["y"] else None)
+                        arrowprops={"arrowstyle": "-", "color": colour, "lw": 0.4}
+                        if (ly, lx) != (p["y"], p["x"] * (1.15 if right else 0.87)) else None)
     handles = [plt.Line2D([], [], color="k", lw=1.5, label=ax.get_legend_handles_labels()[1][0]),
                plt.Line2D([], [], marker="o", ls="", color=COLOURS["prefill"],
                           label=f"prefill, {d['prefill']['tokens']} tokens"),

@@ -157,6 +157,9 @@ def _cache_saves(d: dict) -> Claim:
     if not c.holds:
         c.why = (f"with {d['prefill']['tokens']} prompt tokens the {n - 1} cached decode steps are a "
                  f"large part of a prefill, so recomputing costs only {ratio:.1f}x")
+    elif time_ratio > 2 * ratio:
+        c.why = (f"the measured time ratio ({time_ratio:.0f}x) far exceeds the FLOP ratio: the with-cache run "
+                 "cannot have spent its prefill's FLOPs, so it found the prompt already in the prefix cache")
     elif time_ratio < 0.5 * ratio:
         c.why = (f"the measured time ratio ({time_ratio:.1f}x) trails the FLOP ratio: decode steps "
                  "are memory-bound and pay per-step overhead, so they cost more than their FLOPs")
