@@ -1,113 +1,201 @@
-"""Rendering a walkthrough for people: rich tables in the terminal and a roofline PNG."""
+"""A walkthrough as numbered parts (heading, lines, a table, a plot), built once from the report's
+dict and rendered twice: rich tables in the terminal here, an HTML page in launcher/html_report.py."""
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
-from engine.observe.walkthrough import Section, WalkthroughReport
+from engine.observe.walkthrough import WalkthroughReport
+
+PIECES_SHOWN = (32, 8)  # a long prompt shows its first and last pieces; the JSON has them all
 
 
-def _si(x: float, unit: str) -> str:
+@dataclass(slots=True)
+class TableData:
+    columns: list[str]
+    rows: list[list[str]]
+    right: tuple[str, ...] = ()  # right-aligned (numeric) columns
+    bold_last: bool = False  # a totals row
+
+
+@dataclass(slots=True)
+class Part:
+    key: str  # the HTML anchor
+    heading: str
+    lines: list[str] = field(default_factory=list)
+    table: TableData | None = None
+    image: str | None = None  # which plot belongs here: "roofline" or "sweep"
+
+
+def si(x: float, unit: str) -> str:
     for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
         if abs(x) >= scale:
             return f"{x / scale:.2f} {prefix}{unit}"
     return f"{x:.0f} {unit}"
 
 
-def _ops_table(title: str, section: Section, ridge: float) -> Table:
-    t = Table(title=title, title_justify="left")
-    for col in ("op", "shape (rank 0)", "×", "FLOPs", "bytes", "FLOP/B", "time", "FLOP/s", "B/s", "bound"):
-        t.add_column(col, justify="left" if col in ("op", "shape (rank 0)", "bound") else "right")
-    for row in section.by_op():
-        time_s, flops, nbytes = row["time_s"], row["flops"], row["bytes"]
+def _by_op(ops: list[dict]) -> list[dict]:
+    """Each op name summed over layers and ranks, in forward order."""
+    rows: dict[str, dict] = {}
+    for op in ops:
+        row = rows.setdefault(op["name"], {"name": op["name"], "shapes": op["shapes"], "count": 0,
+                                           "flops": 0, "bytes": 0, "time_s": 0.0})
+        row["count"] += 1
+        for k in ("flops", "bytes", "time_s"):
+            row[k] += op[k]
+    return list(rows.values())
+
+
+def _ops_table(section: dict, ridge: float) -> TableData:
+    rows = []
+    for r in _by_op(section["ops"]):
+        t, flops, nbytes = r["time_s"], r["flops"], r["bytes"]
         intensity = flops / nbytes if nbytes else float("inf")
-        bound = "compute" if intensity >= ridge else "memory"
-        t.add_row(row["name"], row["shapes"], str(row["count"]), _si(flops, ""), _si(nbytes, "B"),
-                  f"{intensity:.1f}", f"{time_s * 1e3:.2f} ms",
-                  _si(flops / time_s, "") if time_s else "-", _si(nbytes / time_s, "B") if time_s else "-",
-                  f"[green]{bound}[/]" if bound == "compute" else f"[yellow]{bound}[/]")
-    t.add_row("total", "", "", _si(section.total_flops, ""), _si(section.total_bytes, "B"),
-              f"{section.total_flops / max(section.total_bytes, 1):.1f}", f"{section.wall_s * 1e3:.1f} ms",
-              _si(section.total_flops / section.wall_s, ""), "", "", style="bold")
-    return t
+        rows.append([r["name"], r["shapes"], str(r["count"]), si(flops, ""), si(nbytes, "B"),
+                     f"{intensity:.1f}", f"{t * 1e3:.2f} ms", si(flops / t, "") if t else "-",
+                     si(nbytes / t, "B") if t else "-", "compute" if intensity >= ridge else "memory"])
+    wall = section["wall_s"]
+    rows.append(["total", "", "", si(section["total_flops"], ""), si(section["total_bytes"], "B"),
+                 f"{section['intensity']:.1f}", f"{wall * 1e3:.1f} ms",
+                 si(section["total_flops"] / wall, "") if wall else "-", "", ""])
+    return TableData(["op", "shape (rank 0)", "×", "FLOPs", "bytes", "FLOP/B", "time", "FLOP/s", "B/s",
+                      "bound"], rows, ("×", "FLOPs", "bytes", "FLOP/B", "time", "FLOP/s", "B/s"), True)
 
 
-def _kv_table(report: WalkthroughReport) -> Table:
-    kv = report.kv_cache
-    t = Table(title=f"4. KV cache after prefill: {kv['tokens']} tokens in blocks {kv['block_table']}",
-              title_justify="left")
-    for col in ("rank", "KV heads", "bytes/token", "bytes held", "cache tensor shape"):
-        t.add_column(col)
-    for r in kv["ranks"]:
-        t.add_row(str(r["rank"]), str(r["kv_heads"]), _si(r["bytes_per_token"], "B"),
-                  _si(r["bytes_held"], "B"), r["cache_shape"])
-    return t
+def _prompt_part(d: dict, source: str | None) -> Part:
+    p = d["prompt"]
+    pairs = [f"{piece!r}:{i}" for piece, i in zip(p["pieces"], p["token_ids"])]
+    head, tail = PIECES_SHOWN
+    if len(pairs) > head + tail:
+        pairs = pairs[:head] + [f"... {len(pairs) - head - tail} more ..."] + pairs[-tail:]
+    lines = [f"Source: {source}."] if source else []
+    return Part("prompt", f"1. The prompt as {len(p['token_ids'])} tokens", lines + [" ".join(pairs)])
 
 
-def render(report: WalkthroughReport, console: Console) -> None:
-    d = report.to_dict()
+def _model_part(d: dict) -> Part:
     m, hw = d["model"], d["hardware"]
-    console.rule("[bold]A walk through one prefill")
-    pieces = " ".join(f"[cyan]{p!r}[/]:{i}" for p, i in zip(d["prompt"]["pieces"], d["prompt"]["token_ids"]))
-    console.print(f"[bold]1. The prompt[/] as {len(d['prompt']['token_ids'])} tokens: {pieces}")
-    console.print(f"[bold]2. The model[/] {m['name']}: {m['layers']} layers, d_model {m['hidden']}, "
-                  f"{m['heads']} query / {m['kv_heads']} KV heads of dim {m['head_dim']}, FFN {m['ffn']}, "
-                  f"vocab {m['vocab']}, {_si(m['params'], 'params')}, {m['dtype']}, tp={m['tp']}")
-    for r in m["ranks"]:
-        console.print(f"   rank {r['rank']}: query heads {r['q_heads']}, KV heads {r['kv_heads']}, "
-                      f"FFN cols {r['ffn']}, vocab rows {r['vocab']}, {_si(r['weight_bytes'], 'B')} of weights")
-    console.print(f"   roof: {hw['name']}: {_si(hw['peak_flops'], 'FLOP/s')}, "
-                  f"{_si(hw['peak_bytes_per_s'], 'B/s')}, ridge at {hw['ridge_flops_per_byte']:.1f} FLOP/byte")
-    console.print(_ops_table(f"3. Prefill of {report.prefill.tokens} tokens: every op, summed over "
-                             f"layers and ranks", report.prefill, report.hardware.ridge))
-    console.print(_kv_table(report))
-    cands = ", ".join(f"{c['text']!r} {c['prob']:.1%}" for c in d["first_token"]["candidates"])
-    console.print(f"[bold]5. The first token[/]: {d['first_token']['text']!r} (id {d['first_token']['id']}); "
-                  f"candidates: {cands}")
-    console.print(_ops_table("6. One decode step: the same ops on one new token", report.decode,
-                             report.hardware.ridge))
+    lines = [f"rank {r['rank']}: query heads {r['q_heads']}, KV heads {r['kv_heads']}, FFN cols {r['ffn']}, "
+             f"vocab rows {r['vocab']}, {si(r['weight_bytes'], 'B')} of weights" for r in m["ranks"]]
+    lines.append(f"roof: {hw['name']}: {si(hw['peak_flops'], 'FLOP/s')}, {si(hw['peak_bytes_per_s'], 'B/s')}, "
+                 f"ridge at {hw['ridge_flops_per_byte']:.1f} FLOP/byte")
+    return Part("model", f"2. The model {m['name']}: {m['layers']} layers, d_model {m['hidden']}, {m['heads']} "
+                f"query / {m['kv_heads']} KV heads of dim {m['head_dim']}, FFN {m['ffn']}, vocab {m['vocab']}, "
+                f"{si(m['params'], 'params')}, {m['dtype']}, tp={m['tp']}", lines)
+
+
+def _kv_part(d: dict) -> Part:
+    kv = d["kv_cache"]
+    blocks = kv["block_table"]
+    shown = str(blocks) if len(blocks) <= 12 else f"[{', '.join(map(str, blocks[:8]))}, ... {blocks[-1]}]"
+    rows = [[str(r["rank"]), str(r["kv_heads"]), si(r["bytes_per_token"], "B"), si(r["bytes_held"], "B"),
+             r["cache_shape"]] for r in kv["ranks"]]
+    return Part("kv_cache", f"4. KV cache after prefill: {kv['tokens']} tokens in {len(blocks)} blocks of "
+                f"{kv['block_size']}", [f"block table: {shown}"],
+                TableData(["rank", "KV heads", "bytes/token", "bytes held", "cache tensor shape"], rows,
+                          ("bytes/token", "bytes held")))
+
+
+def _decode_and_cache_parts(d: dict) -> list[Part]:
     pi, di = d["prefill"]["intensity"], d["decode"]["intensity"]
-    console.print(f"   arithmetic intensity: prefill {pi:.1f} FLOP/byte, decode {di:.2f} FLOP/byte "
-                  f"({pi / di:.0f}x lower): decode reads every weight to make one token")
     s = d["cache_savings"]
-    console.print(f"[bold]7. What the cache saved[/] over {s['tokens']} generated tokens: "
-                  f"{_si(s['flops_with_cache'], 'FLOP')} with it, {_si(s['flops_recompute'], 'FLOP')} "
-                  f"recomputing ({s['flops_recompute'] / s['flops_with_cache']:.1f}x); measured "
-                  f"{s['time_with_cache_s']:.2f} s vs {s['time_recompute_s']:.2f} s "
-                  f"({s['time_recompute_s'] / s['time_with_cache_s']:.1f}x)")
-    t = Table(title=f"8. TTFT {d['ttft']['total_s'] * 1e3:.1f} ms, part by part", title_justify="left")
-    t.add_column("part")
-    t.add_column("time", justify="right")
-    t.add_column("share", justify="right")
-    for part, secs in d["ttft"]["parts"].items():
-        t.add_row(part, f"{secs * 1e3:.2f} ms", f"{secs / d['ttft']['total_s']:.1%}")
-    console.print(t)
+    flop_x = s["flops_recompute"] / s["flops_with_cache"]
+    time_x = s["time_recompute_s"] / s["time_with_cache_s"] if s["time_with_cache_s"] else 0.0
+    return [
+        Part("decode", "6. One decode step: the same ops on one new token",
+             [f"arithmetic intensity: prefill {pi:.1f} FLOP/byte, decode {di:.2f} FLOP/byte ({pi / di:.0f}x "
+              "lower): decode reads every weight to make one token"],
+             _ops_table(d["decode"], d["hardware"]["ridge_flops_per_byte"])),
+        Part("cache_savings", f"7. What the cache saved over {s['tokens']} generated tokens",
+             [f"{si(s['flops_with_cache'], 'FLOP')} with it, {si(s['flops_recompute'], 'FLOP')} recomputing "
+              f"({flop_x:.1f}x); measured {s['time_with_cache_s']:.2f} s vs {s['time_recompute_s']:.2f} s "
+              f"({time_x:.1f}x)"]),
+    ]
 
 
-def roofline_png(report: WalkthroughReport, path: str) -> None:
-    """Each op (per layer, per rank) a point: prefill and decode in two colours, under the roof."""
-    import matplotlib
+def _ttft_part(d: dict) -> Part:
+    total = d["ttft"]["total_s"]
+    rows = [[part, f"{secs * 1e3:.2f} ms", f"{secs / total:.1%}"] for part, secs in d["ttft"]["parts"].items()]
+    return Part("ttft", f"8. TTFT {total * 1e3:.1f} ms, part by part", [],
+                TableData(["part", "time", "share"], rows, ("time", "share")))
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import numpy as np
 
-    hw = report.hardware
-    fig, ax = plt.subplots(figsize=(8, 5.5))
-    xs = np.logspace(-2, 4, 200)
-    ax.loglog(xs, np.minimum(hw.peak_flops, xs * hw.peak_bytes), "k-", label=f"roof ({hw.name})")
-    ax.axvline(hw.ridge, color="grey", ls=":", lw=1)
-    for section, colour, label in ((report.prefill, "tab:blue", "prefill"),
-                                   (report.decode, "tab:orange", "decode step")):
-        pts = [(op["intensity"], op["achieved_flops_per_s"]) for op in section.ops
-               if op["flops"] > 0 and op["bytes"] > 0 and op["time_s"] > 0]
-        if pts:
-            x, y = zip(*pts)
-            ax.scatter(x, y, s=12, alpha=0.6, color=colour, label=label)
-    ax.set_xlabel("arithmetic intensity (FLOP/byte)")
-    ax.set_ylabel("achieved FLOP/s")
-    ax.set_title("Roofline: every op of one prefill and one decode step")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+def _measured(numbers: dict) -> str:
+    """A claim's numbers, short: shares as percentages, bytes and rates in SI units."""
+    out = []
+    for k, v in numbers.items():
+        label = k.replace("_per_s", "/s").replace("flops", "FLOP").replace("_", " ")
+        if isinstance(v, float):
+            if k.endswith("_s") and not k.endswith("per_s"):
+                label, v = label[:-2], f"{v * 1e3:.1f} ms"
+            else:
+                v = (f"{v:.1%}" if "share" in k else si(v, "B") if "bytes" in k
+                     else si(v, "FLOP/s") if "per_s" in k else f"{v:.3g}")
+        elif isinstance(v, int) and "bytes" in k:
+            v = f"{v:,}"
+        elif isinstance(v, list) and len(v) > 6:
+            v = f"[{', '.join(map(str, v[:6]))}, ...] ({len(v)})"
+        out.append(f"{label} {v}")
+    return "; ".join(out)
+
+
+def claims_part(claims: list[dict]) -> Part:
+    rows = [[c["statement"], _measured(c["measured"]), c["verdict"], c["why"]] for c in claims]
+    held = sum(1 for c in claims if c["holds"])
+    return Part("claims", f"9. The prefill story's claims, checked against this run ({held} of {len(claims)} hold)",
+                ["Each verdict comes from the numbers of this run on this hardware (engine/observe/claims.py)."],
+                TableData(["claim", "measured", "verdict", "why / note"], rows))
+
+
+def parts(report: WalkthroughReport | dict, claims: list[dict] | None = None,
+          source: str | None = None) -> list[Part]:
+    """The walkthrough's parts in reading order."""
+    d = report if isinstance(report, dict) else report.to_dict()
+    ridge = d["hardware"]["ridge_flops_per_byte"]
+    ft = d["first_token"]
+    out = [_prompt_part(d, source), _model_part(d),
+           Part("prefill", f"3. Prefill of {d['prefill']['tokens']} tokens: every op, summed over layers and ranks",
+                [], _ops_table(d["prefill"], ridge)),
+           _kv_part(d),
+           Part("first_token", f"5. The first token: {ft['text']!r} (id {ft['id']})",
+                ["candidates: " + ", ".join(f"{c['text']!r} {c['prob']:.1%}" for c in ft["candidates"])]),
+           *_decode_and_cache_parts(d), _ttft_part(d)]
+    if claims is not None:
+        out.append(claims_part(claims))
+    out.append(Part("roofline", f"{len(out) + 1}. The roofline: one point per op kind", [
+        "Median over layers and ranks; whiskers span the fastest and slowest instance. Ops that move "
+        "data without arithmetic (embedding, kv_write) have no FLOPs and are not drawn."], image="roofline"))
+    return out
+
+
+def _cell(column: str, value: str) -> str:
+    value = escape(value)
+    if column == "bound":
+        return f"[green]{value}[/]" if value == "compute" else f"[yellow]{value}[/]"
+    if column == "verdict":
+        return {"holds": f"[green]{value}[/]", "does not hold": f"[red]{value}[/]"}.get(value, f"[dim]{value}[/]")
+    return value
+
+
+def render(report: WalkthroughReport | dict, console: Console, claims: list[dict] | None = None,
+           source: str | None = None, images: dict | None = None) -> None:
+    """The parts in the terminal; plots are named by their file."""
+    console.rule("[bold]A walk through one prefill")
+    for part in parts(report, claims, source):
+        console.print(f"[bold]{escape(part.heading)}[/]")
+        for line in part.lines:
+            console.print("   " + escape(line))
+        if part.table:
+            t = Table()
+            for col in part.table.columns:
+                t.add_column(col, justify="right" if col in part.table.right else "left",
+                             overflow="fold", max_width=60 if col in ("measured", "why / note", "claim") else None)
+            last = len(part.table.rows) - 1
+            for i, row in enumerate(part.table.rows):
+                t.add_row(*(_cell(c, v) for c, v in zip(part.table.columns, row)),
+                          style="bold" if part.table.bold_last and i == last else None)
+            console.print(t)
+        if part.image and images and part.image in images:
+            console.print(f"   (plot: {images[part.image]})")
