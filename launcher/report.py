@@ -8,7 +8,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from engine.observe.walkthrough import WalkthroughReport
+from engine.observe.hardware import roofline_side
+from engine.observe.walkthrough import WalkthroughReport, ops_by_name
 
 PIECES_SHOWN = (32, 8)  # a long prompt shows its first and last pieces; the JSON has them all
 
@@ -37,26 +38,14 @@ def si(x: float, unit: str) -> str:
     return f"{x:.0f} {unit}"
 
 
-def _by_op(ops: list[dict]) -> list[dict]:
-    """Each op name summed over layers and ranks, in forward order."""
-    rows: dict[str, dict] = {}
-    for op in ops:
-        row = rows.setdefault(op["name"], {"name": op["name"], "shapes": op["shapes"], "count": 0,
-                                           "flops": 0, "bytes": 0, "time_s": 0.0})
-        row["count"] += 1
-        for k in ("flops", "bytes", "time_s"):
-            row[k] += op[k]
-    return list(rows.values())
-
-
 def _ops_table(section: dict, ridge: float) -> TableData:
     rows = []
-    for r in _by_op(section["ops"]):
+    for r in ops_by_name(section["ops"]):
         t, flops, nbytes = r["time_s"], r["flops"], r["bytes"]
         intensity = flops / nbytes if nbytes else float("inf")
         rows.append([r["name"], r["shapes"], str(r["count"]), si(flops, ""), si(nbytes, "B"),
                      f"{intensity:.1f}", f"{t * 1e3:.2f} ms", si(flops / t, "") if t else "-",
-                     si(nbytes / t, "B") if t else "-", "compute" if intensity >= ridge else "memory"])
+                     si(nbytes / t, "B") if t else "-", roofline_side(flops, nbytes, ridge)])
     wall = section["wall_s"]
     rows.append(["total", "", "", si(section["total_flops"], ""), si(section["total_bytes"], "B"),
                  f"{section['intensity']:.1f}", f"{wall * 1e3:.1f} ms",

@@ -14,6 +14,11 @@ SPECS = {
 }
 
 
+def roofline_side(flops: float, nbytes: float, ridge: float) -> str:
+    """"compute" where the op's arithmetic intensity reaches the ridge, else "memory"."""
+    return "compute" if nbytes == 0 or flops / nbytes >= ridge else "memory"
+
+
 @dataclass(frozen=True, slots=True)
 class Hardware:
     name: str
@@ -26,9 +31,7 @@ class Hardware:
         return self.peak_flops / self.peak_bytes
 
     def bound(self, flops: int, nbytes: int) -> str:
-        if nbytes == 0:
-            return "compute"
-        return "compute" if flops / nbytes >= self.ridge else "memory"
+        return roofline_side(flops, nbytes, self.ridge)
 
     def to_dict(self) -> dict:
         return {"name": self.name, "peak_flops": self.peak_flops, "peak_bytes_per_s": self.peak_bytes,

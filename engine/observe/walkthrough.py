@@ -26,6 +26,18 @@ def _op_dict(rec: dict, hw: Hardware) -> dict:
             "bound": hw.bound(flops, nbytes)}
 
 
+def ops_by_name(ops: list[dict]) -> list[dict]:
+    """Each op name summed over layers and ranks, in forward order."""
+    rows: dict[str, dict] = {}
+    for op in ops:
+        row = rows.setdefault(op["name"], {"name": op["name"], "shapes": op["shapes"],
+                                           "count": 0, "flops": 0, "bytes": 0, "time_s": 0.0})
+        row["count"] += 1
+        for key in ("flops", "bytes", "time_s"):
+            row[key] += op[key]
+    return list(rows.values())
+
+
 @dataclass(slots=True)
 class Section:
     """One forward pass (the prefill, or one decode step) over all ranks."""
@@ -45,18 +57,6 @@ class Section:
     @property
     def total_bytes(self) -> int:
         return sum(op["bytes"] for op in self.ops)
-
-    def by_op(self) -> list[dict]:
-        """Each op name summed over layers and ranks, in forward order."""
-        rows: dict[str, dict] = {}
-        for op in self.ops:
-            row = rows.setdefault(op["name"], {"name": op["name"], "shapes": op["shapes"],
-                                               "count": 0, "flops": 0, "bytes": 0, "time_s": 0.0})
-            row["count"] += 1
-            row["flops"] += op["flops"]
-            row["bytes"] += op["bytes"]
-            row["time_s"] += op["time_s"]
-        return list(rows.values())
 
     def to_dict(self) -> dict:
         return {"tokens": self.tokens, "wall_s": self.wall_s, "total_flops": self.total_flops,
@@ -155,11 +155,12 @@ def _first_token(llm, out, top_k: int) -> dict:
 def _cache_savings(llm, ids: list[int], n: int) -> dict:
     """Generate n tokens with the cache, and again recomputing the whole sequence each step."""
     mc = llm.model_config
-    start = time.perf_counter()
-    [g] = llm.generate([ids], SamplingParams(max_tokens=n, ignore_eos=True))
-    with_cache = time.perf_counter() - start
-    seq, start = list(ids), time.perf_counter()
+    # both sides prefill the whole prompt: the runs before this one left it in the prefix cache
     with llm.prefix_caching(False):
+        start = time.perf_counter()
+        [g] = llm.generate([ids], SamplingParams(max_tokens=n, ignore_eos=True))
+        with_cache = time.perf_counter() - start
+        seq, start = list(ids), time.perf_counter()
         for token in g.token_ids:
             llm.prefill([seq])
             seq.append(token)
