@@ -11,7 +11,7 @@ from engine.config import EngineConfig
 from engine.errors import ConfigError, InvalidRequestError, NumericalError, RankFailure
 from engine.driver.executor import make_executors
 from engine.driver.prompts import Prompt, PromptLimits, as_prompt_list, prompt_token_ids
-from engine.driver.outputs import GenerateOutput, PrefillOutput
+from engine.driver.outputs import GenerateOutput, PrefillOutput, ScoreOutput
 from engine.driver.sampling_params import SamplingParams
 from engine.driver.replica import Replica, StepTiming
 from engine.driver.sequence import Sequence
@@ -81,6 +81,21 @@ class LLM:
                                self._text(s.output_token_ids), s.first_token_time - s.arrival_time,
                                s.num_cached_tokens, s.finish_reason) for s in seqs]
 
+    def score(self, prompts: Prompt | Seq[Prompt], top_logprobs: int = 0) -> list[ScoreOutput]:
+        """Log-probability of every prompt token after the first, perplexity, and optionally the
+        `top_logprobs` likeliest tokens at each position. Prompts need at least 2 tokens. A
+        scored prompt is computed whole even when its prefix is cached."""
+        from engine.driver import scoring  # the scoring hooks live in their own module
+
+        k = scoring.check_top_logprobs(top_logprobs, self.model_config.vocab_size)
+        if not self.replicas:
+            raise InvalidRequestError("this LLM was shut down; call restart() or create a new one")
+        token_lists = [self._tokens(p) for p in as_prompt_list(prompts)]
+        scoring.check_scorable(token_lists)
+        seqs = self._submit(token_lists, SamplingParams(max_tokens=1), score_top_k=k)
+        self._run(seqs)
+        return [scoring.score_output(s) for s in seqs]
+
     def walkthrough(self, prompt: Prompt, hardware: str = "cpu-measured", decode_tokens: int = 8,
                     top_k: int = 5):
         """A measured walk through this engine's prefill of `prompt` and one decode step: every
@@ -131,11 +146,16 @@ class LLM:
     def _text(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids) if self.tokenizer else ""
 
-    def _submit(self, prompts, params: SamplingParams, keep_first_logits: bool = False) -> list[Sequence]:
+    def _submit(self, prompts, params: SamplingParams, keep_first_logits: bool = False,
+                score_top_k: int | None = None) -> list[Sequence]:
         if not self.replicas:
             raise InvalidRequestError("this LLM was shut down; call restart() or create a new one")
         token_lists = [self._tokens(p) for p in as_prompt_list(prompts)]
         seqs = [Sequence(t, params, keep_first_logits=keep_first_logits) for t in token_lists]
+        if score_top_k is not None:  # set before the scheduler can see them
+            from engine.driver.scoring import ScoreRequest
+            for s in seqs:
+                s.score = ScoreRequest(score_top_k, s.num_prompt_tokens)
         with self._lock:
             if self._failure is not None:
                 raise RankFailure(f"{self._failure}; call restart() or create a new LLM")

@@ -66,7 +66,7 @@ class Replica:
         start, schedule_s, scheduled, handle = launched
         result = self.executor.collect("execute", handle)[0]
         finished = self.scheduler.postprocess(scheduled, result.token_ids, result.logits,
-                                              set(result.nonfinite_rows))
+                                              set(result.nonfinite_rows), result.score)
         self.steps.append(StepTiming(time.perf_counter() - start, schedule_s, result.forward_s,
                                      result.collective_s, result.sample_s))
         return finished

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from contextlib import nullcontext
 
 from engine.batch import Batch
+from engine.driver import scoring
 from engine.driver.block_manager import BlockManager
 from engine.driver.sequence import Sequence, Status
 
@@ -59,7 +61,10 @@ class Scheduler:
         """Waiting sequences become running, oldest first, while their blocks fit."""
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if not self.blocks.allocate(seq):
+            # a scored prompt needs every position's hidden state: no prefix hit may skip any
+            with self.blocks.caching_disabled() if seq.score is not None else nullcontext():
+                ok = self.blocks.allocate(seq)
+            if not ok:
                 break
             self.waiting.popleft()
             seq.status = Status.RUNNING
@@ -95,6 +100,9 @@ class Scheduler:
             batch.cu_seqlens_q.append(batch.cu_seqlens_q[-1] + n)
             batch.context_lens.append(end)
             batch.block_tables.append(seq.block_table)
+            if seq.score is not None:  # scored: log-probs of the next tokens, never a sample
+                scoring.add_score_rows(batch, seq, start, end)
+                continue
             if end == seq.num_tokens:  # this chunk completes the sequence: sample its next token
                 batch.logits_indices.append(batch.cu_seqlens_q[-1] - 1)
                 batch.sampling.append(seq.params.spec(len(seq.output_token_ids)))
@@ -102,10 +110,20 @@ class Scheduler:
         return batch
 
     def postprocess(self, scheduled: list[tuple[Sequence, int]], token_ids: list[int],
-                    logits=None, nonfinite_rows: set[int] = frozenset()) -> list[Sequence]:
+                    logits=None, nonfinite_rows: set[int] = frozenset(),
+                    score=None) -> list[Sequence]:
         """Advance every scheduled sequence; returns those that finished."""
-        now, finished, row = time.perf_counter(), [], 0
+        now, finished, row, score_row = time.perf_counter(), [], 0, 0
         for seq, n in scheduled:
+            if seq.score is not None:
+                start = seq.num_computed_tokens
+                score_row = scoring.take_score_rows(seq, start, start + n, score, score_row)
+                seq.num_computed_tokens += n
+                self.blocks.register_computed(seq)  # scored prompts still fill the prefix cache
+                if seq.num_computed_tokens == seq.num_tokens:
+                    seq.first_token_time = now
+                    self._finish(seq, "scored" if scoring.is_finite(seq) else "nonfinite", finished)
+                continue
             seq.num_computed_tokens += n
             if seq.num_computed_tokens < seq.num_tokens:
                 self.blocks.register_computed(seq)

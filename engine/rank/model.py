@@ -115,6 +115,14 @@ class CausalLM(nn.Module):
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 meta: AttentionMetadata, logits_indices: torch.Tensor) -> torch.Tensor | None:
         """Logits [len(logits_indices), vocab] on rank 0 (None on other ranks)."""
+        h, residual = self.hidden_states(token_ids, positions, cache, meta)
+        return self.logits(h, residual, logits_indices)
+
+    @torch.inference_mode()
+    def hidden_states(self, token_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                      meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every row's last-layer output and residual [T, d], before the final norm (scoring
+        reads them all; sampling only a few)."""
         h, residual = self.embed_tokens(token_ids), None
         for i, layer in enumerate(self.layers):
             TRACER.layer = i
@@ -123,6 +131,11 @@ class CausalLM(nn.Module):
             x, residual = layer.post_attention_layernorm(h, residual)
             h = layer.mlp(x)
         TRACER.layer = -1
+        return h, residual
+
+    @torch.inference_mode()
+    def logits(self, h: torch.Tensor, residual: torch.Tensor,
+               logits_indices: torch.Tensor) -> torch.Tensor | None:
         # only the rows that sample a token go through the final norm and the LM head
         if not len(logits_indices):  # every rank sees the same batch, so all skip together
             return None

@@ -18,6 +18,7 @@ from engine.rank.kv_cache import KVCache
 from engine.rank.model import CausalLM, ShardPlan
 from engine.observe import costs
 from engine.rank.sampler import sample
+from engine.rank.scoring import score_batch
 from parallel import comm
 from parallel.partition import partition_heads
 from parallel.trace import TRACER
@@ -89,9 +90,12 @@ class Worker:
             block_tables=batch.block_tables,
             slot_mapping=torch.tensor(batch.slot_mapping, device=dev),
             kv_head_of_q=self.kv_head_of_q, uniform_groups=self.uniform_groups)
-        logits = self.model(torch.tensor(batch.token_ids, device=dev),
-                            torch.tensor(batch.positions, device=dev), self.cache, meta,
-                            torch.tensor(batch.logits_indices, device=dev, dtype=torch.long))
+        h, residual = self.model.hidden_states(torch.tensor(batch.token_ids, device=dev),
+                                               torch.tensor(batch.positions, device=dev),
+                                               self.cache, meta)
+        logits = self.model.logits(h, residual, torch.tensor(batch.logits_indices, device=dev,
+                                                             dtype=torch.long))
+        score = score_batch(self.model, h, residual, batch)  # None unless the batch scores rows
         if self.rank != 0:
             return None
         forward_s, collective_s = time.perf_counter() - start, comm.collective_seconds()
@@ -104,7 +108,7 @@ class Worker:
             with TRACER.op("sample", lambda: costs.sample(logits), logits.device):
                 tokens = sample(safe, batch.sampling)
         return StepResult(tokens, logits if batch.return_logits else None, forward_s, collective_s,
-                          time.perf_counter() - start, nonfinite)
+                          time.perf_counter() - start, nonfinite, score)
 
     def memory(self) -> dict:
         """This rank's resident memory (CPU) or peak allocated memory (CUDA), in bytes."""

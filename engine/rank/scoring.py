@@ -1,0 +1,38 @@
+"""One rank's part of scoring a batch: final norm and this rank's LM-head slice over the scored
+rows, a slice of positions at a time, then the vocab-parallel log-softmax of parallel/logprobs."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.batch import Batch
+from parallel.logprobs import LogprobRows, vocab_parallel_logprobs
+from parallel.trace import TRACER, linear_cost
+
+
+@torch.inference_mode()
+def score_batch(model, hidden: torch.Tensor, residual: torch.Tensor,
+                batch: Batch) -> LogprobRows | None:
+    """Log-probabilities of `batch.score_targets` at rows `batch.score_indices` of the final
+    layer's output (`hidden` + `residual`, [T, d], before the final norm). Every rank runs it
+    (the collectives pair up); the tensors come back on the CPU, top-k on rank 0 only. None
+    when the batch scores nothing, on every rank alike."""
+    if not batch.score_indices:
+        return None
+    dev = hidden.device
+    idx = torch.tensor(batch.score_indices, device=dev)
+    h, res = hidden[idx], residual[idx]  # [n, d]: the scored rows only, small
+    targets = torch.tensor(batch.score_targets, device=dev)
+    head = model.lm_head
+
+    def local_logits(a: int, b: int) -> torch.Tensor:
+        x = model.norm(h[a:b], res[a:b])[0]
+        with TRACER.op("score_lm_head", lambda: linear_cost(x, head.weight), dev):
+            return F.linear(x, head.weight)
+
+    rows = vocab_parallel_logprobs(local_logits, len(idx), targets, head.vocab_slice,
+                                   batch.score_top_k)
+    rows.logprobs = rows.logprobs.cpu()
+    if rows.top_ids is not None:
+        rows.top_ids, rows.top_logprobs = rows.top_ids.cpu(), rows.top_logprobs.cpu()
+    return rows
