@@ -44,7 +44,8 @@ def vocab_parallel_logprobs(local_logits: Callable[[int, int], torch.Tensor], nu
     """log p(targets[i]) for rows 0..num_rows-1, computed slice by slice.
 
     `local_logits(a, b)` returns this rank's logits [b - a, local vocab] for rows a..b-1 (any
-    float dtype; it is computed on demand, so only one slice lives at a time). `vocab_slice` is
+    float dtype; computed on demand, so only one slice lives at a time, and overwritten here, so
+    return a fresh tensor, not a view of one kept elsewhere). `vocab_slice` is
     the [start, stop) of vocabulary ids this rank holds. Every rank must call this with the same
     rows, targets and top_k: the collectives pair up across ranks.
     """

@@ -217,3 +217,55 @@ def test_windows_cover_every_token_once():
         assert all(end - begin <= w for begin, end, _ in windows(n, w, s))
     with pytest.raises(ScoreInputError, match="stride=24 with window=24"):
         windows(100, 24, 24)
+
+
+def test_scheduler_packs_scored_rows_beside_a_sampling_prompt():
+    """One step holding a sampled prompt and a chunk of a scored one: the scored rows (hand
+    counted) never sample, and their results land by position."""
+    from engine import SamplingParams
+    from engine.driver.block_manager import BlockManager
+    from engine.driver.scheduler import Scheduler
+    from engine.driver.scoring import ScoreRequest
+    from engine.driver.sequence import Sequence
+    from parallel.logprobs import LogprobRows
+
+    sched = Scheduler(BlockManager(32, 4), max_num_batched_tokens=8, max_num_seqs=8,
+                      max_model_len=64, eos_token_ids=[2])
+    gen = Sequence([10, 11, 12], SamplingParams(max_tokens=4))
+    scored = Sequence([20, 21, 22, 23, 24, 25, 26], SamplingParams(max_tokens=1))
+    scored.score = ScoreRequest(0, 7)
+    sched.add(gen)
+    sched.add(scored)
+    step = sched.schedule()
+    assert [(s.seq_id, n) for s, n in step] == [(gen.seq_id, 3), (scored.seq_id, 5)]
+    batch = sched.build_batch(step)
+    assert batch.logits_indices == [2] and len(batch.sampling) == 1
+    assert batch.score_indices == [3, 4, 5, 6, 7] and batch.score_targets == [21, 22, 23, 24, 25]
+    rows = LogprobRows(torch.tensor([-1.0, -2.0, -3.0, -4.0, -5.0]))
+    assert sched.postprocess(step, [99], score=rows) == []
+    step = sched.schedule()  # the rest: positions 5, 6; only position 5 has a next token
+    batch = sched.build_batch(step)
+    assert batch.score_indices == [1] and batch.score_targets == [26]
+    done = sched.postprocess(step, [7], score=LogprobRows(torch.tensor([-6.0])))
+    assert done == [scored] and scored.finish_reason == "scored"
+    assert scored.score.logprobs == [-1.0, -2.0, -3.0, -4.0, -5.0, -6.0]
+    assert scored.token_ids == scored.prompt_token_ids  # nothing sampled
+
+
+def test_score_and_generate_from_two_threads_share_steps(tiny_model_dir):
+    import threading
+
+    from engine import SamplingParams
+
+    path = str(tiny_model_dir("uneven"))
+    hf = hf_model(path)
+    gen_ids, score_ids = _ids(30, 301, seed=1), [_ids(60, 301, seed=2), _ids(17, 301, seed=3)]
+    with LLM(path) as llm:
+        [alone] = llm.generate([gen_ids], SamplingParams(max_tokens=12, ignore_eos=True))
+        got = {}
+        t = threading.Thread(target=lambda: got.setdefault("s", llm.score(score_ids, 3)))
+        t.start()
+        [g] = llm.generate([gen_ids], SamplingParams(max_tokens=12, ignore_eos=True))
+        t.join()
+    assert g.token_ids == alone.token_ids
+    _assert_matches(hf, score_ids, got["s"], k=3)
