@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine import LLM, InvalidRequestError
-from parallel.logprobs import vocab_parallel_logprobs
+from parallel.logprobs import TILE_BYTES, tile_shape, vocab_parallel_logprobs
 from tests.reference import hf_model
 
 
@@ -46,25 +46,37 @@ def _assert_matches(hf, prompts: list[list[int]], outs, k: int = 0) -> None:
             assert (torch.tensor(lps) - ref[pos, list(tids)]).abs().max().item() <= 1e-4
 
 
-def test_vocab_parallel_math_matches_log_softmax_in_slices():
-    """World of one, slices of 5 rows: log p(target) and the top-7 of torch.log_softmax."""
+def test_vocab_parallel_math_matches_log_softmax_in_tiles():
+    """World of one, tiles of 5 rows x 4 columns (the budget forces both splits): log p(target)
+    and the top-7 of torch.log_softmax."""
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(37, 50, generator=g) * 4
     targets = torch.randint(0, 50, (37,), generator=g)
     calls = []
 
-    def local(a, b):
-        calls.append((a, b))
-        return logits[a:b].clone()
+    def local(a, b, c, e):
+        calls.append((a, b, c, e))
+        return logits[a:b, c:e].clone()
 
-    rows = vocab_parallel_logprobs(local, 37, targets, (0, 50), top_k=7, slice_bytes=5 * 50 * 4)
+    budget = 20 * 4  # 20 float32 cells
+    rows = vocab_parallel_logprobs(local, 37, targets, (0, 50), top_k=7, tile_bytes=budget)
     ref = torch.log_softmax(logits, -1)
-    assert calls[:2] == [(0, 5), (5, 10)] and calls[-1] == (35, 37)
-    assert rows.peak_logits_bytes == 5 * 50 * 4  # one slice at a time
+    assert calls[:2] == [(0, 1, 0, 20), (0, 1, 20, 40)]  # 20 columns of 1 row fit
+    assert rows.peak_logits_bytes == 2 * budget  # a tile and its log-softmax
     torch.testing.assert_close(rows.logprobs, ref.gather(-1, targets[:, None])[:, 0])
     top = ref.topk(7, dim=-1)
     torch.testing.assert_close(rows.top_logprobs, top.values)
     assert torch.equal(rows.top_ids, top.indices)
+    whole = vocab_parallel_logprobs(local, 37, targets, (0, 50), tile_bytes=10 * 50 * 4)
+    assert calls[-1] == (30, 37, 40, 50)  # 10 rows of every column fit; 20 columns at most
+    torch.testing.assert_close(whole.logprobs, rows.logprobs)
+    for n, vocab in [(1, 50), (3, 49152), (511, 24576), (2047, 49152), (9000, 49152)]:
+        r, c = tile_shape(n, vocab)  # a tile + its log-softmax under the rows' full logits
+        assert r <= n and 2 * r * c * 4 <= r * vocab * 4 and r * c * 4 <= TILE_BYTES
+    narrow = vocab_parallel_logprobs(local, 37, targets, (0, 50), top_k=7, tile_bytes=4 * 4)
+    assert calls[-1] == (36, 37, 48, 50)  # tiles of 4 columns, narrower than k
+    torch.testing.assert_close(narrow.top_logprobs, top.values)
+    assert torch.equal(narrow.top_ids, top.indices)
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2", "mistral", "uneven"])

@@ -1,5 +1,6 @@
-"""One rank's part of scoring a batch: final norm and this rank's LM-head slice over the scored
-rows, a slice of positions at a time, then the vocab-parallel log-softmax of parallel/logprobs."""
+"""One rank's part of scoring a batch: the final norm of the scored rows, then this rank's slice
+of the LM head one tile (positions x vocabulary block) at a time, inside the vocab-parallel
+log-softmax of parallel/logprobs."""
 from __future__ import annotations
 
 import torch
@@ -21,16 +22,15 @@ def score_batch(model, hidden: torch.Tensor, residual: torch.Tensor,
         return None
     dev = hidden.device
     idx = torch.tensor(batch.score_indices, device=dev)
-    h, res = hidden[idx], residual[idx]  # [n, d]: the scored rows only, small
+    x = model.norm(hidden[idx], residual[idx])[0]  # [n, d]: the scored rows only, small
     targets = torch.tensor(batch.score_targets, device=dev)
-    head = model.lm_head
+    weight = model.lm_head.weight  # this rank's vocabulary rows
 
-    def local_logits(a: int, b: int) -> torch.Tensor:
-        x = model.norm(h[a:b], res[a:b])[0]
-        with TRACER.op("score_lm_head", lambda: linear_cost(x, head.weight), dev):
-            return F.linear(x, head.weight)
+    def local_logits(a: int, b: int, c: int, e: int) -> torch.Tensor:
+        with TRACER.op("score_lm_head", lambda: linear_cost(x[a:b], weight[c:e]), dev):
+            return F.linear(x[a:b], weight[c:e])
 
-    rows = vocab_parallel_logprobs(local_logits, len(idx), targets, head.vocab_slice,
+    rows = vocab_parallel_logprobs(local_logits, len(idx), targets, model.lm_head.vocab_slice,
                                    batch.score_top_k)
     rows.logprobs = rows.logprobs.cpu()
     if rows.top_ids is not None:
