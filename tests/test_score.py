@@ -281,3 +281,19 @@ def test_score_and_generate_from_two_threads_share_steps(tiny_model_dir):
         t.join()
     assert g.token_ids == alone.token_ids
     _assert_matches(hf, score_ids, got["s"], k=3)
+
+
+def test_prefill_score_command_line(tiny_model_dir, tmp_path):
+    """`prefill score ...` through the console script's dispatcher and Hydra's main."""
+    import sys
+
+    from tests import subproc
+
+    src, out = tmp_path / "docs.jsonl", tmp_path / "scores.jsonl"
+    src.write_text(json.dumps({"prompt": _ids(40, 301, 4)}) + "\n")
+    r = subproc.run([sys.executable, "-c", "from launcher.cli import main; main()", "score",
+                     f"input={src}", f"output={out}", f"model.path={tiny_model_dir('uneven')}",
+                     "window=16", "stride=8"], timeout=120)
+    assert r.returncode == 0, r.explain()
+    assert "1 documents, 39 tokens scored" in r.stdout, r.explain()
+    assert json.loads(out.read_text())["windows"] == 4  # starts 0, 8, 16, 24
