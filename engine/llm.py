@@ -9,6 +9,7 @@ from engine.rank.backend import select_backend
 from engine.loading.checkpoint import open_checkpoint
 from engine.config import EngineConfig
 from engine.errors import ConfigError, InvalidRequestError, NumericalError, RankFailure
+from engine.driver import scoring
 from engine.driver.executor import make_executors
 from engine.driver.prompts import Prompt, PromptLimits, as_prompt_list, prompt_token_ids
 from engine.driver.outputs import GenerateOutput, PrefillOutput, ScoreOutput
@@ -85,8 +86,6 @@ class LLM:
         """Log-probability of every prompt token after the first, perplexity, and optionally the
         `top_logprobs` likeliest tokens at each position. Prompts need at least 2 tokens. A
         scored prompt is computed whole even when its prefix is cached."""
-        from engine.driver import scoring  # the scoring hooks live in their own module
-
         k = scoring.check_top_logprobs(top_logprobs, self.model_config.vocab_size)
         if not self.replicas:
             raise InvalidRequestError("this LLM was shut down; call restart() or create a new one")
@@ -153,9 +152,8 @@ class LLM:
         token_lists = [self._tokens(p) for p in as_prompt_list(prompts)]
         seqs = [Sequence(t, params, keep_first_logits=keep_first_logits) for t in token_lists]
         if score_top_k is not None:  # set before the scheduler can see them
-            from engine.driver.scoring import ScoreRequest
             for s in seqs:
-                s.score = ScoreRequest(score_top_k, s.num_prompt_tokens)
+                s.score = scoring.ScoreRequest(score_top_k, s.num_prompt_tokens)
         with self._lock:
             if self._failure is not None:
                 raise RankFailure(f"{self._failure}; call restart() or create a new LLM")

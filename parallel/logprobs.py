@@ -5,8 +5,9 @@ Each rank holds the logits of its own vocabulary slice only, and computes them o
 (max + log of the sum of exponentials), the target's logit if the tile holds it, and a running
 top-k. Then one all-reduce per slice of positions hands every rank every rank's log-sum-exp (each
 rank fills its own row of one small tensor) and the target's logit (only its owner adds a
-non-zero), and the whole vocabulary's log-sum-exp follows from merging them. Top-k candidates are each
-rank's own top-k, gathered to rank 0 and merged there. No rank ever holds the [T, vocab] logits.
+non-zero), and the whole vocabulary's log-sum-exp follows from merging them. Top-k candidates
+are each rank's own top-k, gathered to rank 0 and merged there. No rank ever holds the
+[T, vocab] logits.
 
 Tiles are as tall as the byte budget allows (all positions at once unless the prompt is very
 long), so the LM-head weight is read about once however many positions are scored.

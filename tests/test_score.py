@@ -198,7 +198,8 @@ def test_score_app_writes_one_line_per_document(tiny_model_dir, tmp_path):
     run(cfg)
     lines = [json.loads(ln) for ln in out.read_text().splitlines()]
     assert [ln["id"] for ln in lines] == ["a", "b"]
-    assert [ln["tokens"] for ln in lines] == [30, 3] and lines[0]["windows"] == 4  # starts 0, 6, 12, 18
+    assert [ln["tokens"] for ln in lines] == [30, 3]
+    assert lines[0]["windows"] == 4  # starting at 0, 6, 12, 18
     assert lines[1]["perplexity"] > 1
 
 

@@ -35,7 +35,7 @@ class Sequence:
     first_logits: object = None
     finish_reason: str | None = None
     kv_block_table: list[int] = field(default_factory=list)  # where its K/V stayed when it finished
-    score: object = None  # engine.driver.scoring.ScoreRequest: log-probs of every prompt token, no sampling
+    score: object = None  # engine.driver.scoring.ScoreRequest: scored, never sampled
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_token_ids)
