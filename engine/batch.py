@@ -36,6 +36,11 @@ class Batch:
     logits_indices: list[int]
     sampling: list[SamplingSpec] = field(default_factory=list)
     return_logits: bool = False
+    # scoring: rows whose next-token log-probability is wanted, those next tokens, and how many
+    # top candidates to return per row (0: none). Such rows never sample.
+    score_indices: list[int] = field(default_factory=list)
+    score_targets: list[int] = field(default_factory=list)
+    score_top_k: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -57,3 +62,4 @@ class StepResult:
     sample_s: float = 0.0  # rank 0's time choosing the tokens
     nonfinite_rows: list[int] = field(default_factory=list)  # logits rows holding NaN or Inf
     row_errors: dict[int, str] = field(default_factory=dict)  # rows whose sampling raised
+    score: object = None  # parallel.logprobs.LogprobRows for batch.score_indices, if any

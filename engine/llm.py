@@ -13,9 +13,10 @@ from contextlib import contextmanager
 from typing import AsyncIterator, Iterator, Sequence as Seq
 
 from engine.config import EngineConfig
+from engine.driver import scoring
 from engine.driver.engine_core import EngineCore
 from engine.driver.executor import make_executors
-from engine.driver.outputs import GenerateOutput, PrefillOutput
+from engine.driver.outputs import GenerateOutput, PrefillOutput, ScoreOutput
 from engine.driver.prompts import Prompt, PromptLimits, as_prompt_list, prompt_token_ids
 from engine.driver.replica import Replica, StepTiming
 from engine.driver.sampling_params import SamplingParams, check_params
@@ -59,7 +60,7 @@ class LLM:
                 params: SamplingParams | None = None) -> list[PrefillOutput]:
         """One forward pass per prompt; the first token (chosen by `params`, greedy by default)
         and the last position's logits."""
-        first = dataclasses.replace(params or SamplingParams(), max_tokens=1)
+        first = dataclasses.replace(check_params(params), max_tokens=1)
         seqs = self._run(self._sequences(prompts, first, keep_first_logits=True))
         return [PrefillOutput(s.prompt_token_ids, s.output_token_ids[0],
                               self._text([s.output_token_ids[0]]), s.first_logits,
@@ -96,6 +97,17 @@ class LLM:
         finally:
             if not seq.future.done():
                 self._core.cancel(seq)
+
+    def score(self, prompts: Prompt | Seq[Prompt], top_logprobs: int = 0) -> list[ScoreOutput]:
+        """Log-probability of every prompt token after the first, perplexity, and optionally the
+        `top_logprobs` likeliest tokens at each position. Prompts need at least 2 tokens. A
+        scored prompt is computed whole even when its prefix is cached."""
+        k = scoring.check_top_logprobs(top_logprobs, self.model_config.vocab_size)
+        seqs = self._sequences(prompts, SamplingParams(max_tokens=1))
+        scoring.check_scorable([s.prompt_token_ids for s in seqs])
+        for seq in seqs:  # before the scheduler can see them
+            seq.score = scoring.ScoreRequest(k, seq.num_prompt_tokens)
+        return [scoring.score_output(s) for s in self._run(seqs)]
 
     def walkthrough(self, prompt: Prompt, hardware: str = "cpu-measured", decode_tokens: int = 8,
                     top_k: int = 5):

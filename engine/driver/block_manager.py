@@ -81,10 +81,11 @@ class BlockManager:
             hits.pop()  # the last token must run through the model to give logits
         return hits
 
-    def allocate(self, seq: Sequence) -> bool:
-        """Give a waiting sequence blocks for all its tokens, reusing cached ones. False if the
-        pool cannot hold it now."""
-        hits = self._cached_prefix(seq.token_ids) if self.enable_prefix_caching else []
+    def allocate(self, seq: Sequence, use_prefix_cache: bool = True) -> bool:
+        """Give a waiting sequence blocks for all its tokens, reusing cached ones (unless told
+        not to). False if the pool cannot hold it now."""
+        use = self.enable_prefix_caching and use_prefix_cache
+        hits = self._cached_prefix(seq.token_ids) if use else []
         fresh = self.blocks_for(seq.num_tokens) - len(hits)
         revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)
         if self.num_free_blocks - revived < fresh:

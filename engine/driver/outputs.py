@@ -25,3 +25,13 @@ class GenerateOutput:
     ttft_s: float
     cached_tokens: int
     finish_reason: str  # a FinishReason: "stop" or "length"
+
+
+@dataclass(slots=True)
+class ScoreOutput:
+    prompt_token_ids: list[int]
+    logprobs: list[float]  # length T-1: log p(token[i+1] | tokens[:i+1]), natural log
+    perplexity: float  # exp(-mean(logprobs))
+    top_logprobs: list[list[tuple[int, float]]] | None  # per position, the k likeliest next
+    # tokens as (id, logprob), most likely first; None when top_logprobs=0
+    peak_logits_bytes: int = 0  # largest logits slice rank 0 held at once while scoring it

@@ -80,7 +80,8 @@ class Replica:
         """Wait for the step's result and advance its sequences; those that finished."""
         result = self.executor.finish_step(step.pending)
         finished = self.scheduler.postprocess(step.scheduled, result.token_ids, result.logits,
-                                              set(result.nonfinite_rows), result.row_errors)
+                                              set(result.nonfinite_rows), result.row_errors,
+                                              result.score)
         self.steps.append(StepTiming(time.perf_counter() - step.started, step.schedule_s,
                                      result.forward_s, result.collective_s, result.sample_s,
                                      step.num_tokens, len(step.scheduled)))

@@ -11,6 +11,7 @@ import time
 from collections import deque
 
 from engine.batch import Batch
+from engine.driver import scoring
 from engine.driver.block_manager import BlockManager
 from engine.driver.sequence import FinishReason, Sequence, Status
 
@@ -59,7 +60,8 @@ class Scheduler:
         """Waiting sequences become running, oldest first, while their blocks fit."""
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if not self.blocks.allocate(seq):
+            # a scored prompt needs every position's hidden state: no prefix hit may skip any
+            if not self.blocks.allocate(seq, use_prefix_cache=seq.score is None):
                 break
             self.waiting.popleft()
             seq.status = Status.RUNNING
@@ -95,6 +97,9 @@ class Scheduler:
             batch.cu_seqlens_q.append(batch.cu_seqlens_q[-1] + n)
             batch.context_lens.append(end)
             batch.block_tables.append(seq.block_table)
+            if seq.score is not None:  # scored: log-probs of the next tokens, never a sample
+                scoring.add_score_rows(batch, seq, start, end)
+                continue
             if end == seq.num_tokens:  # this chunk completes the sequence: sample its next token
                 batch.logits_indices.append(batch.cu_seqlens_q[-1] - 1)
                 batch.sampling.append(seq.params.spec(len(seq.output_token_ids)))
@@ -103,10 +108,21 @@ class Scheduler:
 
     def postprocess(self, scheduled: list[tuple[Sequence, int]], token_ids: list[int],
                     logits=None, nonfinite_rows: set[int] = frozenset(),
-                    row_errors: dict[int, str] | None = None) -> list[Sequence]:
+                    row_errors: dict[int, str] | None = None, score=None) -> list[Sequence]:
         """Advance every scheduled sequence; returns those that finished."""
         now, finished, row, row_errors = time.perf_counter(), [], 0, row_errors or {}
+        score_row = 0
         for seq, n in scheduled:
+            if seq.score is not None:
+                start = seq.num_computed_tokens
+                score_row = scoring.take_score_rows(seq, start, start + n, score, score_row)
+                seq.num_computed_tokens += n
+                self.blocks.register_computed(seq)  # scored prompts still fill the prefix cache
+                if seq.num_computed_tokens == seq.num_tokens:
+                    seq.first_token_time = now
+                    self._finish(seq, FinishReason.SCORED if scoring.is_finite(seq)
+                                 else FinishReason.NONFINITE, finished)
+                continue
             seq.num_computed_tokens += n
             if seq.num_computed_tokens < seq.num_tokens:
                 self.blocks.register_computed(seq)

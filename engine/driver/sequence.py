@@ -26,6 +26,7 @@ class FinishReason(StrEnum):
     # reached max_tokens or max_model_len (the cache always holds one max_model_len request)
     LENGTH = "length"
     NONFINITE = "nonfinite"  # the model gave NaN/Inf logits: the request fails
+    SCORED = "scored"  # a scoring request: every position's log-probability is in
     ERROR = "error"  # sampling raised for this request's settings: the request fails
     ABORTED = "aborted"  # cancelled, or failed with the rest of its step
 
@@ -52,6 +53,7 @@ class Sequence:
     # resolved by the step loop when the request ends; on_token sees each new token as it comes
     future: Future = field(default_factory=Future)
     on_token: Callable[[int], None] | None = None
+    score: object = None  # engine.driver.scoring.ScoreRequest: scored, never sampled
 
     def __post_init__(self):
         self.token_ids = list(self.prompt_token_ids)

@@ -119,9 +119,22 @@ class CausalLM(nn.Module):
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext,
                 logits_indices: torch.Tensor) -> torch.Tensor | None:
         """Logits [len(logits_indices), vocab] on rank 0 (None on other ranks)."""
+        x, residual = self.hidden_states(token_ids, positions, ctx)
+        return self.logits(x, residual, logits_indices)
+
+    @torch.inference_mode()
+    def hidden_states(self, token_ids: torch.Tensor, positions: torch.Tensor,
+                      ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every row's last-layer output and residual [T, d], before the final norm (scoring
+        reads them all; sampling only a few)."""
         x, residual = self.embed_tokens(token_ids), None
         for layer in self.layers:
             x, residual = layer(positions, x, residual, ctx)
+        return x, residual
+
+    @torch.inference_mode()
+    def logits(self, x: torch.Tensor, residual: torch.Tensor,
+               logits_indices: torch.Tensor) -> torch.Tensor | None:
         # only the rows that sample a token go through the final norm and the LM head
         if not len(logits_indices):  # every rank sees the same batch, so all skip together
             return None

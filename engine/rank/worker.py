@@ -22,6 +22,7 @@ from engine.rank.kernels.step_metadata import build_step_metadata
 from engine.rank.kv_cache import KVCache
 from engine.rank.model import CausalLM
 from engine.rank.sampler import sample
+from engine.rank.scoring import score_batch
 from parallel import comm
 
 
@@ -107,15 +108,19 @@ class Worker:
         meta = build_step_metadata(batch.cu_seqlens_q, batch.context_lens, batch.block_tables,
                                    batch.slot_mapping, self.kv_head_of_q, dev,
                                    uniform_groups=self.uniform_groups)
-        logits = self.model(torch.tensor(batch.token_ids, device=dev),
-                            torch.tensor(batch.positions, device=dev), StepContext(self.cache, meta),
-                            torch.tensor(batch.logits_indices, device=dev, dtype=torch.long))
+        x, residual = self.model.hidden_states(torch.tensor(batch.token_ids, device=dev),
+                                               torch.tensor(batch.positions, device=dev),
+                                               StepContext(self.cache, meta))
+        logits = self.model.logits(x, residual, torch.tensor(batch.logits_indices, device=dev,
+                                                             dtype=torch.long))
+        score = score_batch(self.model, x, residual, batch)  # None unless the batch scores rows
         if self.plan.on_cuda:  # the timers below read host time: let the device catch up first
             torch.cuda.synchronize(dev)
         if self.rank != 0:
             return None
         forward_s = time.perf_counter() - start
-        result = StepResult([], None, forward_s, comm.CLOCK.seconds - collective_before)
+        result = StepResult([], None, forward_s, comm.CLOCK.seconds - collective_before,
+                            score=score)
         if logits is not None:  # None: every sequence is mid-prompt, nothing to sample
             self._sample(logits.cpu(), batch, result)
         return result
