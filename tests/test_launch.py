@@ -47,13 +47,22 @@ def _assert_paris(r: subproc.Result) -> None:
 # ---- the Hydra app -----------------------------------------------------------------------------
 
 def test_generate_app_prints_first_token_and_ttft():
-    r = _app([f"prompt={PROMPT}", "max_tokens=4"])
+    r = _app([f"prompt={PROMPT}", "chat=false", "max_tokens=4"])
     _assert_paris(r)
     assert "tp=1" in r.stdout
 
 
+def test_generate_app_uses_the_chat_template_by_default():
+    """An instruct model answers a question asked its way: the prompt goes through the
+    template the GGUF ships (the system turn is the template's own default)."""
+    r = _app(["prompt=What is the capital of France?", "max_tokens=12"])
+    assert r.returncode == 0, r.explain()
+    assert "<|im_start|>user\nWhat is the capital of France?<|im_end|>" in r.stdout, r.explain()
+    assert "Paris" in r.stdout.split("<|im_start|>assistant")[-1], r.explain()
+
+
 def test_generate_app_tp2_starts_its_own_local_ray():
-    r = _app([f"prompt={PROMPT}", "max_tokens=4", "parallel.tp=2"], timeout=RAY_APP_TIMEOUT_S)
+    r = _app([f"prompt={PROMPT}", "chat=false", "max_tokens=4", "parallel.tp=2"], timeout=RAY_APP_TIMEOUT_S)
     _assert_paris(r)
     assert "tp=2" in r.stdout
     assert "Started a local Ray instance" in r.stderr, r.explain()
@@ -157,7 +166,7 @@ def ray_head(dashboard: bool):
 def test_app_joins_a_ray_start_cluster_through_ray_address():
     with ray_head(dashboard=False) as head:
         env = dict(head.env, RAY_ADDRESS=head.gcs_address)
-        r = subproc.run([sys.executable, "-m", "launcher.generate", f"prompt={PROMPT}",
+        r = subproc.run([sys.executable, "-m", "launcher.generate", f"prompt={PROMPT}", "chat=false",
                          "max_tokens=4", "parallel.tp=2"], timeout=RAY_APP_TIMEOUT_S, env=env)
     _assert_paris(r)
     assert "Connecting to existing Ray cluster" in r.stderr, r.explain()
@@ -177,7 +186,7 @@ def test_ray_job_submit_runs_the_app_on_the_cluster():
             [ray_cli, "job", "submit", "--address", head.dashboard_url, "--submission-id", job,
              "--working-dir", ".",
              "--runtime-env-json", json.dumps({"excludes": [".venv", ".git", ".pytest_cache"]}),
-             "--", "python", "-m", "launcher.generate", f"prompt={PROMPT}", "max_tokens=4",
+             "--", "python", "-m", "launcher.generate", f"prompt={PROMPT}", "chat=false", "max_tokens=4",
              "parallel.tp=2"],
             timeout=RAY_APP_TIMEOUT_S + 120, env=head.env)
         status = subproc.run([ray_cli, "job", "status", "--address", head.dashboard_url, job],
