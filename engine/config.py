@@ -32,7 +32,8 @@ class EngineConfig:
     dtype: str | None = None  # None: float32 on CPU, bfloat16 on CUDA
     max_model_len: int | None = None  # None: the model's context length
     block_size: int = 16
-    kv_cache_gb: float = 0.5
+    # None: 0.5 GiB on a CPU; on CUDA, what the GPU has free after the weights, less a headroom
+    kv_cache_gb: float | None = None
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 64
     enable_prefix_caching: bool = True
@@ -82,8 +83,9 @@ class EngineConfig:
         _check_device(self.device)
         _require(self.dtype is None or (isinstance(self.dtype, str) and self.dtype in DTYPES),
                  f"dtype={self.dtype!r}: use one of {sorted(DTYPES)}")
-        _positive_number("kv_cache_gb", self.kv_cache_gb, "GiB per rank")
-        _check_memory(self.kv_cache_gb, self.device)
+        if self.kv_cache_gb is not None:
+            _positive_number("kv_cache_gb", self.kv_cache_gb, "GiB per rank")
+            _check_memory(self.kv_cache_gb, self.device)
         _require(self.attention_backend in ("auto", "torch", "triton"),
                  f"attention_backend={self.attention_backend!r}: use 'auto', 'torch' or 'triton'")
 

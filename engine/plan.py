@@ -82,6 +82,31 @@ class RankInfo:
         return asdict(self)
 
 
+CPU_KV_CACHE_BYTES = 2**29  # 0.5 GiB per rank when kv_cache_gb is unset on a CPU
+GPU_HEADROOM = 0.15  # of the GPU memory free after the weights: activations, allocator slack
+
+
+def kv_pool_bytes(kv_cache_gb: float | None, on_cuda: bool, free_bytes: int,
+                  weight_bytes: int) -> int:
+    """Bytes of KV cache per rank: as set, else 0.5 GiB on a CPU, else on CUDA the memory the
+    GPU has free once this rank's weights are in, less GPU_HEADROOM of it."""
+    if kv_cache_gb is not None:
+        return int(kv_cache_gb * 2**30)
+    if not on_cuda:
+        return CPU_KV_CACHE_BYTES
+    left = free_bytes - weight_bytes
+    if left <= 0:
+        raise ConfigError(f"the GPU has {free_bytes / 2**30:.1f} GiB free, less than this rank's "
+                          f"{weight_bytes / 2**30:.1f} GiB of weights; use more ranks (tp) or a "
+                          f"smaller model")
+    return int(left * (1 - GPU_HEADROOM))
+
+
+def _free_gpu_bytes(device: str) -> int:
+    """Free memory of the driver's GPU; ranks on other GPUs are assumed alike."""
+    return torch.cuda.mem_get_info(torch.device(device))[0]
+
+
 def make_plan(cfg: EngineConfig, source: str, mc: ModelConfig) -> EnginePlan:
     """Resolve the settings against the model once; a setting that cannot work fails here."""
     from engine.rank.backend import TORCH, select_backend
@@ -95,19 +120,31 @@ def make_plan(cfg: EngineConfig, source: str, mc: ModelConfig) -> EnginePlan:
     if max_model_len > mc.max_position_embeddings:
         raise ConfigError(f"max_model_len={cfg.max_model_len} exceeds the model's context of "
                           f"{mc.max_position_embeddings} tokens; use at most that")
-    # every rank gets as many blocks as the rank with the most KV heads can hold
-    widest = max(h.num_kv_heads for h in heads)
-    dtype = cfg.torch_dtype
-    bytes_per_block = 2 * mc.num_layers * widest * mc.head_dim * dtype.itemsize * cfg.block_size
-    num_blocks = int(cfg.kv_cache_gb * 2**30) // bytes_per_block
-    needed = -(-max_model_len // cfg.block_size)
-    if num_blocks < needed:
-        raise ConfigError(
-            f"kv_cache_gb={cfg.kv_cache_gb} holds {num_blocks} blocks of {cfg.block_size} tokens "
-            f"({num_blocks * cfg.block_size} tokens at {bytes_per_block // cfg.block_size} bytes "
-            f"per token per rank), less than one request of max_model_len={max_model_len} "
-            f"({needed} blocks); raise kv_cache_gb or lower max_model_len")
-    return EnginePlan(source, mc, cfg.tp, cfg.device, dtype, backend, max_model_len,
+    num_blocks = _num_blocks(cfg, mc, heads, max_model_len)
+    return EnginePlan(source, mc, cfg.tp, cfg.device, cfg.torch_dtype, backend, max_model_len,
                       cfg.block_size, num_blocks, cfg.num_threads,
                       cfg.device != "cpu" if cfg.compile is None else cfg.compile, heads,
                       even_ranges(mc.intermediate_size, cfg.tp), even_ranges(mc.vocab_size, cfg.tp))
+
+
+def _num_blocks(cfg: EngineConfig, mc: ModelConfig, heads: list[HeadPartition],
+                max_model_len: int) -> int:
+    """KV blocks per rank: as many as the rank with the most KV heads can hold, and at least one
+    request of max_model_len."""
+    widest = max(h.num_kv_heads for h in heads)
+    dtype = cfg.torch_dtype
+    bytes_per_block = 2 * mc.num_layers * widest * mc.head_dim * dtype.itemsize * cfg.block_size
+    on_cuda = comm.is_cuda(cfg.device)
+    weight_bytes = mc.num_params * dtype.itemsize // cfg.tp
+    pool = kv_pool_bytes(cfg.kv_cache_gb, on_cuda,
+                         _free_gpu_bytes(cfg.device) if on_cuda and cfg.kv_cache_gb is None else 0,
+                         weight_bytes)
+    num_blocks = pool // bytes_per_block
+    needed = -(-max_model_len // cfg.block_size)
+    if num_blocks < needed:
+        raise ConfigError(
+            f"kv_cache_gb={pool / 2**30:.3g} holds {num_blocks} blocks of {cfg.block_size} tokens "
+            f"({num_blocks * cfg.block_size} tokens at {bytes_per_block // cfg.block_size} bytes "
+            f"per token per rank), less than one request of max_model_len={max_model_len} "
+            f"({needed} blocks); raise kv_cache_gb or lower max_model_len")
+    return num_blocks

@@ -63,7 +63,8 @@ class Worker:
         self.warmup_s = 0.0
         if plan.compile:
             self.compiled = CompiledLayers(self.model)
-            self.warmup_s = warm_up(self.compiled, self._warm_up_step)
+        if plan.compile or plan.backend == "triton":
+            self.warmup_s = warm_up(self._warm_up_step, self.compiled)
 
     def _warm_up_step(self, num_tokens: int, start: int) -> None:
         """A step on made-up tokens in block 0, which no request holds yet (its slots are

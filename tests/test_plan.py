@@ -1,0 +1,32 @@
+"""The plan the driver resolves once: KV pool sizing (including the CUDA rule, computed here
+from given numbers) and the block count every rank then holds."""
+from __future__ import annotations
+
+import pytest
+
+from engine import ConfigError
+from engine.config import EngineConfig
+from engine.loading.checkpoint import open_checkpoint
+from engine.plan import GPU_HEADROOM, kv_pool_bytes, make_plan
+
+GIB = 2**30
+
+
+def test_kv_pool_as_set_else_half_a_gib_on_cpu_else_free_gpu_memory_after_weights():
+    assert kv_pool_bytes(0.25, on_cuda=True, free_bytes=80 * GIB, weight_bytes=GIB) == GIB // 4
+    assert kv_pool_bytes(None, on_cuda=False, free_bytes=0, weight_bytes=GIB) == GIB // 2
+    # an 8B model in bf16 on one 80 GiB GPU: 16 GiB of weights, 64 GiB left, 15 % kept back
+    got = kv_pool_bytes(None, on_cuda=True, free_bytes=80 * GIB, weight_bytes=16 * GIB)
+    assert got == int(64 * GIB * (1 - GPU_HEADROOM)) and GPU_HEADROOM == 0.15
+    with pytest.raises(ConfigError, match="less than this rank's 16.0 GiB of weights"):
+        kv_pool_bytes(None, on_cuda=True, free_bytes=10 * GIB, weight_bytes=16 * GIB)
+
+
+def test_block_count_by_hand_for_smollm2_at_tp1_and_tp2():
+    ckpt = open_checkpoint("smollm2")
+    plan = make_plan(EngineConfig(), "smollm2", ckpt.config)
+    # k+v, 30 layers, 3 KV heads of 64, float32, 16 tokens a block
+    assert plan.num_blocks == GIB // 2 // (2 * 30 * 3 * 64 * 4 * 16) == 728
+    plan = make_plan(EngineConfig(tp=2), "smollm2", ckpt.config)
+    assert plan.num_blocks == GIB // 2 // (2 * 30 * 2 * 64 * 4 * 16)  # the rank with 2 KV heads
+    assert [h.num_q_heads for h in plan.heads] == [6, 3] and plan.backend == "torch"
