@@ -88,7 +88,8 @@ def test_prefill_console_script_runs_generate(tmp_path):
     # From a directory outside the repository: the installed script must find its configs itself.
     tmp = subproc.ray_tmpdir()
     try:
-        r = subproc.run([str(_prefill_script()), "generate", "max_tokens=2"], cwd=tmp_path,
+        r = subproc.run([str(_prefill_script()), "generate", f"prompt={PROMPT}", "chat=false",
+                         "max_tokens=2"], cwd=tmp_path,
                         timeout=APP_TIMEOUT_S, env=subproc.isolated_env(tmp))
     finally:
         subproc.remove(tmp)
