@@ -24,6 +24,7 @@ class EngineConfig:
     retry_on_rank_failure: bool = False  # restart the groups once and rerun the requests
     ray_address: str | None = None  # None: $RAY_ADDRESS, else a local cluster
     socket_ifname: str | None = None  # network interface for gloo/NCCL between nodes
+    cpus_per_rank: float = 1.0  # Ray logical CPUs one rank actor asks for (fractions share cores)
     # engine.*
     device: str = "cpu"
     dtype: str | None = None  # None: float32 on CPU, bfloat16 on CUDA
@@ -35,6 +36,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"  # auto: triton on CUDA, torch on CPU
     num_threads: int | None = None
+    kv_handle_ttl_s: float = 300.0  # an exported KVHandle's blocks are reclaimed after this
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
@@ -64,6 +66,10 @@ class EngineConfig:
         _require(self.max_num_batched_tokens >= 1,
                  f"max_num_batched_tokens={self.max_num_batched_tokens}: use a positive integer")
         _require(self.max_num_seqs >= 1, f"max_num_seqs={self.max_num_seqs}: use a positive integer")
+        _require(self.kv_handle_ttl_s > 0,
+                 f"kv_handle_ttl_s={self.kv_handle_ttl_s}: use a positive number of seconds")
+        _require(self.cpus_per_rank > 0,
+                 f"cpus_per_rank={self.cpus_per_rank}: use a positive number, e.g. 0.5")
         _require(self.attention_backend in ("auto", "torch", "triton"),
                  f"attention_backend={self.attention_backend!r}: use 'auto', 'torch' or 'triton'")
 

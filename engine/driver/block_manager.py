@@ -133,6 +133,20 @@ class BlockManager:
         seq.num_hashed_blocks = 0
         seq.parent_hash = None
 
+    def allocate_blocks(self, n: int) -> list[int] | None:
+        """`n` fresh blocks for K/V written from outside (a KV hand-off); None if too few are free."""
+        if self.num_free_blocks < n:
+            return None
+        return [self._take_fresh() for _ in range(n)]
+
+    def free_blocks(self, block_table: list[int]) -> None:
+        """Drop one reference to each block (an exported or adopted table without a sequence)."""
+        for bid in reversed(block_table):
+            block = self.blocks[bid]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_ids[bid] = None
+
     def _take(self, bid: int) -> None:
         block = self.blocks[bid]
         if block.ref_count == 0:

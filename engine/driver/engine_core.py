@@ -116,9 +116,15 @@ class EngineCore:
             for seq in cancelled:
                 self._abort(seq)
             for seq in new:
-                min(self.replicas, key=lambda r: r.load).scheduler.add(seq)
+                self._route(seq)
             if self._has_work():
                 self._step()
+
+    def _route(self, seq: Sequence) -> None:
+        """Hand a new request to the least loaded replica."""
+        index = min(range(len(self.replicas)), key=lambda i: self.replicas[i].load)
+        seq.replica = index
+        self.replicas[index].scheduler.add(seq)
 
     def _has_work(self) -> bool:
         return any(r.scheduler.has_work() for r in self.replicas)
@@ -151,7 +157,7 @@ class EngineCore:
                 for seq in seqs:
                     seq.reset()
                     self._retried.add(seq.seq_id)
-                    min(self.replicas, key=lambda r: r.load).scheduler.add(seq)
+                    self._route(seq)
                 return
             except EngineError as again:
                 error = RankFailure(f"{error}; the restart failed too: {again}")

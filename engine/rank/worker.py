@@ -152,3 +152,25 @@ class Worker:
         """This rank's K/V of one sequence ([length, local kv heads, d]), for inspection."""
         k, v = self.cache.gather(layer, block_table, length)
         return k.cpu(), v.cpu()
+
+    def export_kv(self, items: list[tuple[list[int], int]]) -> list[list]:
+        """Publish this rank's K/V of each (block table, length) for another engine to pull."""
+        from engine.transfer.transport import transport_for
+
+        transport = transport_for(self.plan.device)
+        return [transport.publish(self.cache, table, length) for table, length in items]
+
+    def import_kv(self, items: list[tuple[dict, list[int], int]], timeout_s: float) -> list[str | None]:
+        """Pull the heads this rank owns of each handed-off sequence into its blocks. Never
+        raises: a failure is reported per item, so the driver decides for the whole group."""
+        from engine.transfer.transport import transport_for
+
+        transport, errors = transport_for(self.plan.device), []
+        for refs_by_head, table, length in items:
+            try:
+                transport.fetch(self.cache, self.shard.heads.kv_heads, refs_by_head, table,
+                                length, timeout_s)
+                errors.append(None)
+            except Exception as e:  # noqa: BLE001  reported to the driver, which frees the blocks
+                errors.append(f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
+        return errors
