@@ -1,0 +1,217 @@
+"""Disaggregated prefill: one engine prefills and hands its K/V to a decode engine of another TP.
+
+References: Hugging Face `transformers` on the same weights (greedy tokens, K/V per head), and
+single-engine `generate` for seeded sampling. Engines share the session Ray cluster (4 logical
+CPUs): ranks ask for half a CPU each so a tp=2 and a tp=3 engine fit side by side.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+import signal
+import time
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.errors import InvalidRequestError, RankFailure
+from engine.transfer import KVHandle, KVTransferError
+from tests.reference import hf_greedy, hf_kv, hf_model
+
+SMALL = dict(block_size=4, kv_cache_gb=0.01, cpus_per_rank=0.5)
+LONG = [5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31, 33, 35, 37, 39, 41]  # 19 tokens
+SHORT = [3, 4, 5, 6, 7]
+GREEDY = SamplingParams(max_tokens=6, ignore_eos=True)
+SEEDED = SamplingParams(max_tokens=6, temperature=0.9, top_k=50, seed=11, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def uneven_path(tiny_model_dir):
+    return str(tiny_model_dir("uneven"))  # 6 query / 3 KV heads
+
+
+@pytest.fixture(scope="module")
+def hf(uneven_path):
+    return hf_model(uneven_path)
+
+
+@pytest.fixture(scope="module")
+def engines(ray_cluster, uneven_path):
+    """tp -> engine. The tp=2 engine chunks prompts (8-token budget), so its exports do too."""
+    made = {1: LLM(uneven_path, **SMALL), 2: LLM(uneven_path, tp=2, max_num_batched_tokens=8, **SMALL),
+            3: LLM(uneven_path, tp=3, **SMALL)}
+    yield made
+    for llm in made.values():
+        llm.shutdown()
+
+
+@pytest.fixture(scope="module")
+def seeded_reference(engines):
+    with engines[1].prefix_caching(False):  # leave the caches as the hand-offs will find them
+        return [g.token_ids for g in engines[1].generate([LONG, SHORT], SEEDED)]
+
+
+def _blocks_used(llm: LLM) -> int:
+    return llm.cache_stats()["blocks_used"]
+
+
+@pytest.mark.parametrize("src,dst", [(1, 1), (2, 1), (1, 2), (2, 3)])
+def test_handoff_gives_single_engine_tokens(engines, hf, seeded_reference, src, dst):
+    pre, dec = engines[src], engines[dst]
+    outs = pre.prefill([LONG, SHORT], export_kv=True)
+    assert _blocks_used(pre) == 5 + 2  # pinned: ceil(19/4) + ceil(5/4)
+    handles = [pickle.loads(pickle.dumps(o.kv)) for o in outs]  # as a router would forward them
+    gens = dec.decode(handles, GREEDY)
+    assert [g.token_ids for g in gens] == [hf_greedy(hf, p, 6) for p in (LONG, SHORT)]
+    seeded = pre.prefill([LONG, SHORT], SEEDED, export_kv=True)
+    assert [g.token_ids for g in dec.decode([o.kv for o in seeded], SEEDED)] == seeded_reference
+    assert _blocks_used(pre) == 0 and _blocks_used(dec) == 0
+
+
+def test_prefix_hit_on_source(engines, hf):
+    pre, dec = engines[2], engines[3]
+    pre.prefill([LONG[:12]])  # caches three full blocks
+    [out] = pre.prefill([LONG[:12] + [99, 98, 97]], export_kv=True)
+    assert out.cached_tokens == 12
+    [gen] = dec.decode([out.kv], GREEDY)
+    assert gen.token_ids == hf_greedy(hf, LONG[:12] + [99, 98, 97], 6)
+
+
+@pytest.mark.parametrize("src,dst,prompt", [(2, 3, [8, 6, 4, 2] * 4 + [1, 3]),
+                                            (1, 2, [9, 8, 7, 6] * 4 + [5])])
+def test_destination_ranks_hold_their_heads(engines, hf, src, dst, prompt):
+    pre, dec = engines[src], engines[dst]
+    [out] = pre.prefill([prompt], export_kv=True)
+    layers = hf.config.num_hidden_layers
+    source_kv = [pre.read_kv(layer, out.block_table, 16) for layer in range(layers)]
+    dec.decode([out.kv], SamplingParams(max_tokens=2))
+    # the adopted blocks entered the destination's prefix cache: a prefill of the same prompt
+    # finds the 16 handed-off positions there and shows where they are
+    [again] = dec.prefill([prompt])
+    assert again.cached_tokens == 16
+    reference = hf_kv(hf, prompt)
+    for layer in range(layers):
+        per_rank = dec.read_kv(layer, again.block_table, 16)
+        for info, (k, v) in zip(dec.rank_info(), per_rank):
+            lo, hi = info.kv_heads
+            torch.testing.assert_close(k, reference[layer][0][:16, lo:hi], atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(v, reference[layer][1][:16, lo:hi], atol=1e-4, rtol=1e-4)
+            # bit for bit what the source rank holding each head stored
+            src_k = torch.cat([sk for sk, _ in source_kv[layer]], dim=1)
+            src_heads = [h for i in pre.rank_info() for h in range(*i.kv_heads)]
+            assert torch.equal(k, src_k[:, [src_heads.index(h) for h in range(lo, hi)]])
+
+
+def test_release_and_ttl_unpin_blocks(engines, uneven_path):
+    pre, dec = engines[1], engines[2]
+    [out] = pre.prefill([LONG], export_kv=True)
+    assert _blocks_used(pre) == 5
+    pre.release(out.kv)
+    assert _blocks_used(pre) == 0
+    with pytest.raises(InvalidRequestError, match="already released"):
+        dec.decode([out.kv])
+    with pytest.raises(InvalidRequestError, match="not exported by this engine"):
+        pre.release(out.kv)
+    with LLM(uneven_path, kv_handle_ttl_s=0.5, **SMALL) as short_lived:
+        [out] = short_lived.prefill([LONG], export_kv=True)
+        time.sleep(1.0)
+        assert _blocks_used(short_lived) == 0
+        with pytest.raises(InvalidRequestError, match="already expired"):
+            dec.decode([out.kv])
+    assert _blocks_used(dec) == 0
+
+
+def test_bad_handles_fail_cleanly(engines, hf, tiny_model_dir, uneven_path):
+    pre, dec = engines[2], engines[1]
+    [out] = pre.prefill([LONG], export_kv=True)
+    h = out.kv
+    with LLM(str(tiny_model_dir("llama")), **SMALL) as other:
+        with pytest.raises(InvalidRequestError, match="another model"):
+            other.decode([h])
+    with LLM(uneven_path, dtype="bfloat16", **SMALL) as bf16:
+        with pytest.raises(InvalidRequestError, match="holds float32 K/V"):
+            bf16.decode([h])
+    with LLM(uneven_path, **{**SMALL, "block_size": 8}) as wide:
+        with pytest.raises(InvalidRequestError, match="block_size=4"):
+            wide.decode([h])
+    corrupt = [dataclasses.replace(h, ranks=h.ranks[:1]),
+               dataclasses.replace(h, first_token=10**6),
+               dataclasses.replace(h, ranks=(dataclasses.replace(h.ranks[0], kv_heads=(0, 9)),
+                                             h.ranks[1]))]
+    for bad in corrupt:
+        with pytest.raises(InvalidRequestError, match="corrupted"):
+            dec.decode([pickle.loads(pickle.dumps(bad))])
+    with pytest.raises(InvalidRequestError, match="KVHandles"):
+        dec.decode([out])
+    with pytest.raises(InvalidRequestError, match="twice"):
+        dec.decode([h, h])
+    assert _blocks_used(dec) == 0
+    [gen] = dec.decode([h], GREEDY)  # nothing above consumed or half-wrote it
+    assert gen.token_ids == hf_greedy(hf, LONG, 6)
+    with pytest.raises(InvalidRequestError, match="already used"):
+        dec.decode([h], GREEDY)
+    assert _blocks_used(pre) == 0 and _blocks_used(dec) == 0
+
+
+def test_destination_cache_too_small(engines, hf, uneven_path):
+    pre = engines[1]
+    per_token = pre.rank_info()[0].kv_bytes_per_token
+    # 8 blocks of 4 tokens: one request of max_model_len=32, not three 19-token prompts
+    with LLM(uneven_path, max_model_len=32, **{**SMALL, "kv_cache_gb": 8 * 4 * per_token / 2**30}) as tiny:
+        outs = pre.prefill([LONG, LONG[1:], LONG[2:]], export_kv=True)
+        with pytest.raises(InvalidRequestError, match="free of 8"):
+            tiny.decode([o.kv for o in outs], GREEDY)
+        assert _blocks_used(tiny) == 0
+        gens = tiny.decode([outs[0].kv], GREEDY)  # the handles were handed back untouched
+    assert gens[0].token_ids == hf_greedy(hf, LONG, 6)
+    assert [g.token_ids for g in engines[2].decode([o.kv for o in outs[1:]], GREEDY)] == \
+        [hf_greedy(hf, p, 6) for p in (LONG[1:], LONG[2:])]
+
+
+def test_dead_source_rank_and_shut_down_source(engines, hf, uneven_path):
+    dec = engines[2]
+    source = LLM(uneven_path, executor="ray", **SMALL)  # one rank, in its own actor
+    try:
+        outs = source.prefill([LONG, SHORT], export_kv=True)
+        os.kill(source.rank_pids()[0][0], signal.SIGKILL)  # its objects die with it
+        with pytest.raises(RankFailure):
+            source.generate([SHORT])
+        _wait_until_lost(outs[0].kv.ranks[0].refs[0][0])
+        with pytest.raises(KVTransferError, match="could not pull"):
+            dec.decode([outs[0].kv], GREEDY)
+        assert _blocks_used(dec) == 0
+    finally:
+        source.shutdown()
+    with pytest.raises(KVTransferError, match="shut down"):
+        dec.decode([outs[1].kv], GREEDY)
+    assert [g.token_ids for g in dec.generate([SHORT], GREEDY)] == [hf_greedy(hf, SHORT, 6)]
+
+
+def test_smollm2_tp2_to_tp1(ray_cluster, smollm2_llm):
+    prompts = ["The capital of France is", "Write a haiku about the sea."]
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    reference = [g.token_ids for g in smollm2_llm.generate(prompts, params)]
+    with LLM("smollm2", tp=2, kv_cache_gb=0.05, cpus_per_rank=0.5) as pre:
+        outs = pre.prefill(prompts, export_kv=True)
+        assert all(isinstance(o.kv, KVHandle) for o in outs)
+        gens = smollm2_llm.decode([o.kv for o in outs], params)
+        assert [g.token_ids for g in gens] == reference
+        assert _blocks_used(pre) == 0
+
+
+def _wait_until_lost(ref, bound_s: float = 30.0) -> None:
+    """Until Ray has dropped the dead owner's objects (a copy may linger in shared memory for a
+    moment, and a pull in that moment succeeds, correctly)."""
+    import ray
+    from ray.exceptions import OwnerDiedError
+
+    deadline = time.monotonic() + bound_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(ref, timeout=5)
+        except OwnerDiedError:
+            return
+        time.sleep(0.2)
+    raise AssertionError("Ray still serves the dead rank's objects")
