@@ -193,7 +193,7 @@ def test_smollm2_tp2_to_tp1(ray_cluster, smollm2_llm):
     prompts = ["The capital of France is", "Write a haiku about the sea."]
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     reference = [g.token_ids for g in smollm2_llm.generate(prompts, params)]
-    with LLM("smollm2", tp=2, kv_cache_gb=0.05, cpus_per_rank=0.5) as pre:
+    with LLM("smollm2", tp=2, max_model_len=512, kv_cache_gb=0.05, cpus_per_rank=0.5) as pre:
         outs = pre.prefill(prompts, export_kv=True)
         assert all(isinstance(o.kv, KVHandle) for o in outs)
         gens = smollm2_llm.decode([o.kv for o in outs], params)
