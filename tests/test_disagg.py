@@ -215,3 +215,16 @@ def _wait_until_lost(ref, bound_s: float = 30.0) -> None:
             return
         time.sleep(0.2)
     raise AssertionError("Ray still serves the dead rank's objects")
+
+
+def test_prefix_affinity_routing_with_dp2(ray_cluster, uneven_path):
+    shared_a, shared_b = [7, 1, 4] * 8, [2, 9, 6] * 8  # 24 tokens each: 6 full blocks of 4
+    with LLM(uneven_path, dp=2, **SMALL) as llm:
+        # one batch: the first goes to replica 0, the second to the then less loaded replica 1
+        llm.prefill([shared_a + [10], shared_b + [10]])
+        # least-loaded alone would send the first of these to replica 0 (a miss for b) and the
+        # second to replica 1 (a miss for a); each prefix's replica serves it instead
+        outs = llm.prefill([shared_b + [11, 12], shared_a + [11, 12]])
+        assert [o.cached_tokens for o in outs] == [24, 24]
+        per_replica = [r["prefix_hit_tokens"] for r in llm.cache_stats()["replicas"]]
+        assert per_replica == [24, 24]

@@ -81,6 +81,10 @@ class BlockManager:
             hits.pop()  # the last token must run through the model to give logits
         return hits
 
+    def cached_prefix_tokens(self, tokens: list[int]) -> int:
+        """How many leading tokens of `tokens` a request would find cached here (for routing)."""
+        return len(self._cached_prefix(tokens)) * self.block_size if self.enable_prefix_caching else 0
+
     def allocate(self, seq: Sequence) -> bool:
         """Give a waiting sequence blocks for all its tokens, reusing cached ones. False if the
         pool cannot hold it now."""

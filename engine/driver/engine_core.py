@@ -121,8 +121,13 @@ class EngineCore:
                 self._step()
 
     def _route(self, seq: Sequence) -> None:
-        """Hand a new request to the least loaded replica."""
-        index = min(range(len(self.replicas)), key=lambda i: self.replicas[i].load)
+        """Prefix affinity: the replica already holding the longest cached prefix of the prompt
+        (its K/V need not be computed again); ties, and no hit anywhere, go to the least loaded."""
+        def cost(i: int) -> tuple[int, int]:
+            r = self.replicas[i]
+            return -r.block_manager.cached_prefix_tokens(seq.token_ids), r.load
+
+        index = min(range(len(self.replicas)), key=cost) if len(self.replicas) > 1 else 0
         seq.replica = index
         self.replicas[index].scheduler.add(seq)
 
