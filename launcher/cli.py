@@ -5,7 +5,7 @@ import importlib
 import sys
 
 APPS = {"generate": "launcher.generate", "walkthrough": "launcher.walkthrough",
-        "bench": "launcher.bench"}
+        "bench": "launcher.bench", "disagg": "launcher.disagg"}
 
 
 def main() -> None:

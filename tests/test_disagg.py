@@ -228,3 +228,25 @@ def test_prefix_affinity_routing_with_dp2(ray_cluster, uneven_path):
         assert [o.cached_tokens for o in outs] == [24, 24]
         per_replica = [r["prefix_hit_tokens"] for r in llm.cache_stats()["replicas"]]
         assert per_replica == [24, 24]
+
+
+def test_disagg_app_serves_a_stream_of_requests(uneven_path):
+    """`python -m launcher.disagg` as a person runs it: its own local Ray, tp=3 prefill + tp=2
+    decode on this 2-core machine with the default one CPU per rank."""
+    import sys
+
+    from tests import subproc
+
+    tmp = subproc.ray_tmpdir()
+    try:
+        r = subproc.run([sys.executable, "-m", "launcher.disagg", f"model.path={uneven_path}",
+                         "prefill.tp=3", "decode.tp=2", "requests=3", "prompt_len=20",
+                         "max_tokens=4", "arrival_rate=5", "engine.kv_cache_gb=0.01"],
+                        timeout=300, env=subproc.isolated_env(tmp))
+    finally:
+        subproc.remove(tmp)
+    assert r.returncode == 0, r.explain()
+    assert "replica(s) of tp=3" in r.stdout and "replica(s) of tp=2" in r.stdout, r.explain()
+    assert "output tokens/s" in r.stdout and not r.leaked, r.explain()
+    rows = [line for line in r.stdout.splitlines() if line.strip().startswith("│")]
+    assert [row.split("│")[-2].strip() for row in rows] == ["4", "4", "4"], r.explain()
