@@ -88,11 +88,15 @@ class LLM:
         """Continue requests another engine prefilled (any TP size): pull each handle's K/V,
         re-partitioned for this engine's heads, then decode. Tokens start with the prefill's
         first token, as `generate` on one engine gives them (pass the prefill the same params)."""
-        params = params or SamplingParams()
+        params, handles = params or SamplingParams(), list(handles)
         if not isinstance(params, SamplingParams):
             raise InvalidRequestError(f"params must be a SamplingParams, got {type(params).__name__}")
         self._exports.sync()
-        seqs = adopt(self._core, self.plan, self._fingerprint, list(handles), params,
+        if any(self._exports.owns(h) and h.ranks[0].actor is not None for h in handles):
+            # its ranks would wait on themselves: they serve the pull from their own blocks
+            raise InvalidRequestError("a handle exported by this engine's rank actors: decode it "
+                                      "on another engine (or call generate() here)")
+        seqs = adopt(self._core, self.plan, self._fingerprint, handles, params,
                      self.config.step_timeout_s)
         return [self._output(s) for s in self._wait(seqs)]
 

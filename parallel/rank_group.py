@@ -195,6 +195,10 @@ class RankGroup:
     def pids(self) -> list[int]:
         return list(self._pids)
 
+    def actors(self) -> list[Any]:
+        """The rank actors, in rank order (e.g. for another group to call one directly)."""
+        return list(self._actors)
+
     def launch(self, method: str, *args: Any, **kwargs: Any) -> PendingCall:
         """Start `worker.method(*args, **kwargs)` on every rank without waiting.
 

@@ -57,6 +57,10 @@ class Executor(ABC):
         """Per rank, per (block table, length): refs[layer][local kv head] of published K/V."""
         return self._call(Worker.export_kv, items)
 
+    def rank_actors(self) -> list | None:
+        """The Ray actor of every rank (another engine's ranks may call them), or None."""
+        return None
+
     def import_kv(self, items: list[tuple[dict, list[int], int]], timeout_s: float) -> list[list]:
         """Per rank, per item: None, or why that rank could not pull its heads."""
         return self._call(Worker.import_kv, items, timeout_s)
@@ -114,6 +118,9 @@ class RayExecutor(Executor):
 
     def node_addresses(self) -> list[tuple[str, str]]:
         return list(zip(self.group.node_ips(), self.group.node_ids()))
+
+    def rank_actors(self) -> list:
+        return self.group.actors()
 
     def shutdown(self) -> None:
         self.group.shutdown()

@@ -57,10 +57,15 @@ class ExportTable:
 
         replica = self._core.replicas[seq.replica]
         table = seq.kv_block_table
-        per_rank = replica.executor.export_kv([(table, seq.num_prompt_tokens)])
+        actors = replica.executor.rank_actors()
+        if actors is not None:  # destination ranks ask these actors for the pinned blocks
+            ranks = tuple(SourceRank(info.kv_heads, actor, tuple(table))
+                          for info, actor in zip(replica.rank_info, actors))
+        else:  # a rank in this process: no actor to ask, so it publishes now
+            per_rank = replica.executor.export_kv([(table, seq.num_prompt_tokens)])
+            ranks = tuple(SourceRank(info.kv_heads, refs=tuple(tuple(layer) for layer in refs[0]))
+                          for info, refs in zip(replica.rank_info, per_rank))
         handle_id = uuid.uuid4().hex
-        ranks = tuple(SourceRank(info.kv_heads, tuple(tuple(layer) for layer in refs[0]))
-                      for info, refs in zip(replica.rank_info, per_rank))
         ray.get(self._leases.add.remote(handle_id, self._ttl_s), timeout=_LEASE_TIMEOUT_S)
         self._records[handle_id] = _Export(replica, table)
         seq.pin_kv = False  # the export owns the blocks now
@@ -109,6 +114,9 @@ class ExportTable:
         records = [self._records.pop(h) for h in done if h in self._records]
         if records:
             self._core.call(lambda: [self._free(r.replica, r.block_table) for r in records])
+
+    def owns(self, handle: object) -> bool:
+        return getattr(handle, "handle_id", None) in self._records
 
     @property
     def pinned_handles(self) -> int:

@@ -44,11 +44,14 @@ class ModelFingerprint:
 
 @dataclass(frozen=True, slots=True)
 class SourceRank:
-    """One source rank's share: its global KV heads and refs[layer][local kv head], each an
-    object holding the uint8 bytes of a [2 (K, V), tokens, head_dim] tensor."""
+    """One source rank's share: its global KV heads, and where to pull them from: its actor and
+    the pinned block table (a rank in a Ray actor), or refs[layer][local kv head] to objects it
+    put (a rank in its driver's process). See engine/transfer/transport.py."""
 
     kv_heads: Range
-    refs: tuple[tuple[Any, ...], ...]
+    actor: Any = None
+    block_table: tuple[int, ...] = ()
+    refs: tuple[tuple[Any, ...], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +64,7 @@ class KVHandle:
     ranks: tuple[SourceRank, ...]  # in source rank order
     lease: Any  # the source's lease table (a Ray actor): claim/settle/release by handle_id
     ttl_s: float
-    transport: str = "ray-object-store"
+    transport: str = "ray"
 
     @property
     def num_tokens(self) -> int:
@@ -122,11 +125,19 @@ def _check_layout(h: KVHandle, fp: ModelFingerprint) -> None:
     if not isinstance(h.ranks, tuple) or len(h.ranks) != h.source_tp or h.source_tp < 1:
         raise bad(f"{len(h.ranks)} source ranks for source tp={h.source_tp}")
     covered: set[int] = set()
+    blocks = -(-len(ids) // fp.block_size)
     for r, part in enumerate(h.ranks):
+        if not isinstance(part, SourceRank):
+            raise bad(f"source rank {r} is a {type(part).__name__}")
         lo, hi = part.kv_heads
         if not 0 <= lo < hi <= fp.num_kv_heads:
             raise bad(f"source rank {r} claims KV heads {part.kv_heads} of {fp.num_kv_heads}")
-        if len(part.refs) != fp.num_layers or any(len(layer) != hi - lo for layer in part.refs):
+        if part.actor is not None:
+            if len(part.block_table) != blocks or not all(
+                    isinstance(b, int) and b >= 0 for b in part.block_table):
+                raise bad(f"source rank {r} names {len(part.block_table)} blocks for "
+                          f"{len(ids)} tokens ({blocks} expected)")
+        elif len(part.refs) != fp.num_layers or any(len(layer) != hi - lo for layer in part.refs):
             raise bad(f"source rank {r} holds refs for the wrong number of layers or heads")
         covered.update(range(lo, hi))
     if covered != set(range(fp.num_kv_heads)):

@@ -105,11 +105,7 @@ def _allocate(replicas: list[Replica], h: KVHandle) -> tuple[Replica, list[int]]
 
 
 def _pull(replica: Replica, items: list[tuple[KVHandle, list[int]]], timeout_s: float) -> None:
-    work = []
-    for h, table in items:
-        by_head = {head: [layer[local] for layer in h.ranks[rank].refs]
-                   for head, (rank, local) in head_owners(h).items()}
-        work.append((by_head, table, h.num_tokens))
+    work = [(h.ranks, head_owners(h), table, h.num_tokens) for h, table in items]
     per_rank = replica.executor.import_kv(work, timeout_s)
     for rank, errors in enumerate(per_rank):
         for (h, _), error in zip(items, errors):
