@@ -330,7 +330,7 @@ def _placement_advice(bundle: dict[str, int], opts: GroupOptions) -> str:
     total, free = ray.cluster_resources(), ray.available_resources()
     have = ", ".join(f"{int(total.get(res, 0))} {res} in total ({int(free.get(res, 0))} free)"
                      for res in asked)
-    wanted = ", ".join(f"{n} {res}" for res, n in asked.items())
+    wanted = ", ".join(f"{n:g} {res}" for res, n in asked.items())
     where = " on one node" if opts.placement_strategy.startswith("STRICT_PACK") else ""
     return (f"could not place {opts.world_size} ranks within {opts.init_timeout_s} s: asked for "
             f"{wanted}{where} ({opts.placement_strategy}), the cluster has {have}; lower "
