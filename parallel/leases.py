@@ -12,6 +12,7 @@ import time
 import ray
 
 HELD, CLAIMED, USED, RELEASED, EXPIRED = "held", "claimed", "used", "released", "expired"
+_REMEMBERED = 100_000
 
 
 class LeaseTable:
@@ -54,6 +55,10 @@ class LeaseTable:
         """The ids finished since the last collect."""
         self._expire()
         done, self._finished = self._finished, []
+        # finished ids are kept to say why a late claim fails, the oldest forgotten past a bound
+        over = len(self._state) - _REMEMBERED
+        for key in [k for k, v in self._state.items() if v not in (HELD, CLAIMED)][:max(0, over)]:
+            del self._state[key]
         return done
 
     def _expire(self) -> None:
