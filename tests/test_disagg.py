@@ -104,6 +104,42 @@ def test_destination_ranks_hold_their_heads(engines, hf, src, dst, prompt):
             assert torch.equal(k, src_k[:, [src_heads.index(h) for h in range(lo, hi)]])
 
 
+
+def test_destination_replicating_kv_heads(engines, hf, uneven_path):
+    """tp=4 over 3 KV heads: query heads split 2+2+1+1, so ranks 2 and 3 both hold KV head 2;
+    each pulls its own copy."""
+    prompt = [4, 4, 8, 8] * 4 + [15, 16]
+    with LLM(uneven_path, tp=4, **{**SMALL, "cpus_per_rank": 0.25}) as dec:
+        heads = [info.kv_heads for info in dec.rank_info()]
+        assert sum(hi - lo for lo, hi in heads) > 3  # some KV head lives on two ranks
+        outs = engines[2].prefill([prompt, LONG], export_kv=True)
+        gens = dec.decode([o.kv for o in outs], GREEDY)
+        assert [g.token_ids for g in gens] == [hf_greedy(hf, p, 6) for p in (prompt, LONG)]
+        [again] = dec.prefill([prompt])
+        assert again.cached_tokens == 16
+        reference = hf_kv(hf, prompt)
+        for layer in range(hf.config.num_hidden_layers):
+            for (lo, hi), (k, v) in zip(heads, dec.read_kv(layer, again.block_table, 16)):
+                torch.testing.assert_close(k, reference[layer][0][:16, lo:hi], atol=1e-4, rtol=1e-4)
+                torch.testing.assert_close(v, reference[layer][1][:16, lo:hi], atol=1e-4, rtol=1e-4)
+
+
+def _decode_elsewhere(model: str, handle: KVHandle, params: SamplingParams) -> list[int]:
+    """In a Ray task's own process: a fresh engine decodes a forwarded handle."""
+    with LLM(model, **{**SMALL, "cpus_per_rank": 1.0}) as llm:
+        return llm.decode([handle], params)[0].token_ids
+
+
+def test_handle_decoded_in_another_process(engines, hf, uneven_path):
+    import ray
+
+    outs = [engines[2].prefill([LONG], export_kv=True)[0],  # rank actors serve the pull
+            engines[1].prefill([SHORT], export_kv=True)[0]]  # an in-process rank published
+    task = ray.remote(num_cpus=0.5)(_decode_elsewhere)
+    got = ray.get([task.remote(uneven_path, o.kv, GREEDY) for o in outs], timeout=300)
+    assert got == [hf_greedy(hf, LONG, 6), hf_greedy(hf, SHORT, 6)]
+    assert _blocks_used(engines[2]) == 0 and _blocks_used(engines[1]) == 0
+
 def test_release_and_ttl_unpin_blocks(engines, uneven_path):
     pre, dec = engines[1], engines[2]
     [out] = pre.prefill([LONG], export_kv=True)
