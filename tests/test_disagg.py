@@ -208,23 +208,33 @@ def test_destination_cache_too_small(engines, hf, uneven_path):
         [hf_greedy(hf, p, 6) for p in (LONG[1:], LONG[2:])]
 
 
-def test_dead_source_rank_and_shut_down_source(engines, hf, uneven_path):
+def test_hung_dead_and_shut_down_source(engines, hf, uneven_path):
     dec = engines[2]
     source = LLM(uneven_path, executor="ray", **SMALL)  # one rank, in its own actor
     try:
-        outs = source.prefill([LONG, SHORT], export_kv=True)
-        os.kill(source.rank_pids()[0][0], signal.SIGKILL)  # the rank holding the blocks
+        outs = source.prefill([LONG, SHORT, LONG[3:]], export_kv=True)
+        pid = source.rank_pids()[0][0]
+        with LLM(uneven_path, step_timeout_s=4, **SMALL) as impatient:
+            os.kill(pid, signal.SIGSTOP)  # the rank holding the blocks stops answering
+            try:
+                with pytest.raises(KVTransferError, match="GetTimeoutError"):
+                    impatient.decode([outs[0].kv], GREEDY)
+            finally:
+                os.kill(pid, signal.SIGCONT)
+            assert _blocks_used(impatient) == 0
+            # the failed pull handed the lease back: the same handle decodes now
+            assert impatient.decode([outs[0].kv], GREEDY)[0].token_ids == hf_greedy(hf, LONG, 6)
+        os.kill(pid, signal.SIGKILL)
         with pytest.raises(RankFailure):
             source.generate([SHORT])
         with pytest.raises(KVTransferError, match="could not pull"):
-            dec.decode([outs[0].kv], GREEDY)
+            dec.decode([outs[1].kv], GREEDY)
         assert _blocks_used(dec) == 0
     finally:
         source.shutdown()
     with pytest.raises(KVTransferError, match="shut down"):
-        dec.decode([outs[1].kv], GREEDY)
+        dec.decode([outs[2].kv], GREEDY)
     assert [g.token_ids for g in dec.generate([SHORT], GREEDY)] == [hf_greedy(hf, SHORT, 6)]
-
 
 def test_smollm2_tp2_to_tp1(ray_cluster, smollm2_llm):
     prompts = ["The capital of France is", "Write a haiku about the sea."]

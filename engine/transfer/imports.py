@@ -106,7 +106,9 @@ def _allocate(replicas: list[Replica], h: KVHandle) -> tuple[Replica, list[int]]
 
 def _pull(replica: Replica, items: list[tuple[KVHandle, list[int]]], timeout_s: float) -> None:
     work = [(h.ranks, head_owners(h), table, h.num_tokens) for h, table in items]
-    per_rank = replica.executor.import_kv(work, timeout_s)
+    # the pull gives up well inside the step timeout, so a hung source fails this call and not
+    # the destination's own group (whose wait on its ranks is bounded by that timeout)
+    per_rank = replica.executor.import_kv(work, 0.75 * timeout_s)
     for rank, errors in enumerate(per_rank):
         for (h, _), error in zip(items, errors):
             if error is not None:

@@ -24,6 +24,7 @@ heads' strided slices straight into their blocks, with no source-side work per r
 """
 from __future__ import annotations
 
+import time
 import warnings
 from abc import ABC, abstractmethod
 from typing import Any
@@ -75,7 +76,7 @@ class RayTransport(KVTransport):
 
     def fetch(self, cache: KVCache, kv_heads: Range, sources: tuple, owners: dict[int, tuple[int, int]],
               block_table: list[int], length: int, timeout_s: float) -> None:
-        bs = cache.block_size
+        bs, deadline = cache.block_size, time.monotonic() + timeout_s  # one bound for the whole pull
         slots = torch.tensor([block_table[p // bs] * bs + p % bs for p in range(length)],
                              device=cache.data.device)
         by_source: dict[int, list[tuple[int, int]]] = {}  # source rank -> (my index, its index)
@@ -84,14 +85,14 @@ class RayTransport(KVTransport):
             by_source.setdefault(src, []).append((mine, theirs))
         for src, pairs in by_source.items():
             pull = self._from_actor if sources[src].actor is not None else self._from_objects
-            for layers, kv in pull(sources[src], [t for _, t in pairs], length, cache, timeout_s):
+            for layers, kv in pull(sources[src], [t for _, t in pairs], length, cache, deadline):
                 mine = torch.tensor([m for m, _ in pairs], device=cache.data.device)
                 for i, layer in enumerate(range(*layers)):  # kv: [layers, 2, T, heads, d]
                     view = cache.data[:, layer].view(2, -1, *cache.data.shape[4:])
                     view[:, slots[:, None], mine[None, :]] = kv[i].to(cache.data.device)
 
     @staticmethod
-    def _from_actor(source, heads: list[int], length: int, cache: KVCache, timeout_s: float):
+    def _from_actor(source, heads: list[int], length: int, cache: KVCache, deadline: float):
         import ray
 
         layers = cache.data.shape[1]
@@ -100,19 +101,23 @@ class RayTransport(KVTransport):
         refs = [source.actor.invoke.remote(
             "read_kv_heads", ((list(source.block_table), length, heads, c), {})) for c in chunks]
         for chunk, ref in zip(chunks, refs):
-            yield chunk, _as_tensor(ray.get(ref, timeout=timeout_s),
+            yield chunk, _as_tensor(ray.get(ref, timeout=_left(deadline)),
                                     (chunk[1] - chunk[0], 2, length, len(heads)), cache)
 
     @staticmethod
-    def _from_objects(source, heads: list[int], length: int, cache: KVCache, timeout_s: float):
+    def _from_objects(source, heads: list[int], length: int, cache: KVCache, deadline: float):
         import ray
 
         every = [source.refs[layer][h] for layer in range(cache.data.shape[1]) for h in heads]
         ray.wait(every, num_returns=len(every), timeout=0, fetch_local=True)  # start every pull
         for layer in range(cache.data.shape[1]):
-            arrays = ray.get([source.refs[layer][h] for h in heads], timeout=timeout_s)
+            arrays = ray.get([source.refs[layer][h] for h in heads], timeout=_left(deadline))
             units = [_as_tensor(a, (1, 2, length, 1), cache) for a in arrays]
             yield (layer, layer + 1), torch.cat(units, dim=3)
+
+
+def _left(deadline: float) -> float:
+    return max(0.01, deadline - time.monotonic())
 
 
 def _as_tensor(array: Any, shape: tuple[int, ...], cache: KVCache) -> torch.Tensor:
