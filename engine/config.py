@@ -27,6 +27,7 @@ class EngineConfig:
     retry_on_rank_failure: bool = False  # restart the groups once and rerun the requests
     ray_address: str | None = None  # None: $RAY_ADDRESS, else a local cluster
     socket_ifname: str | None = None  # network interface for gloo/NCCL between nodes
+    cpus_per_rank: float = 1.0  # Ray logical CPUs one rank actor asks for (fractions share cores)
     # engine.*
     device: str = "cpu"
     dtype: str | None = None  # None: float32 on CPU, bfloat16 on CUDA
@@ -40,6 +41,7 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto: triton on CUDA, torch on CPU
     num_threads: int | None = None
     compile: bool | None = None  # torch.compile the layers; None: on CUDA only (see BENCHMARKS.md)
+    kv_handle_ttl_s: float = 300.0  # an exported KVHandle's blocks are reclaimed after this
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
@@ -86,6 +88,8 @@ class EngineConfig:
         if self.kv_cache_gb is not None:
             _positive_number("kv_cache_gb", self.kv_cache_gb, "GiB per rank")
             _check_memory(self.kv_cache_gb, self.device)
+        for name, unit in (("kv_handle_ttl_s", "seconds"), ("cpus_per_rank", "CPUs, e.g. 0.5")):
+            _positive_number(name, getattr(self, name), unit)
         _require(self.attention_backend in ("auto", "torch", "triton"),
                  f"attention_backend={self.attention_backend!r}: use 'auto', 'torch' or 'triton'")
 

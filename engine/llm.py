@@ -25,6 +25,9 @@ from engine.errors import InvalidRequestError
 from engine.loading.checkpoint import open_checkpoint
 from engine.loading.tokenizer import load_tokenizer
 from engine.plan import RankInfo, make_plan
+from engine.transfer.exports import ExportTable
+from engine.transfer.handle import KVHandle, model_fingerprint
+from engine.transfer.imports import adopt
 
 log = logging.getLogger("engine")
 
@@ -47,6 +50,10 @@ class LLM:
             lambda: [Replica(plan, cfg, ex) for ex in make_executors(plan, cfg, ckpt)],
             cfg.retry_on_rank_failure)
         self._finalizer = weakref.finalize(self, self._core.shutdown)
+        # disaggregated prefill: what a KVHandle must match here, and the handles given out
+        self._fingerprint = model_fingerprint(ckpt, plan.dtype, plan.block_size)
+        self._exports = ExportTable(self._core, cfg.kv_handle_ttl_s, cfg.ray_address)
+        self._exports_finalizer = weakref.finalize(self, self._exports.close)
         log.info("KV cache: %d blocks of %d tokens per rank, %d replica(s) of tp=%d",
                  plan.num_blocks, cfg.block_size, cfg.dp, cfg.tp)
 
@@ -56,16 +63,45 @@ class LLM:
         """The prompt's token ids, checked exactly as a request's would be."""
         return prompt_token_ids(prompt, self.tokenizer, self._limits)
 
-    def prefill(self, prompts: Prompt | Seq[Prompt],
-                params: SamplingParams | None = None) -> list[PrefillOutput]:
+    def prefill(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | None = None,
+                export_kv: bool = False) -> list[PrefillOutput]:
         """One forward pass per prompt; the first token (chosen by `params`, greedy by default)
-        and the last position's logits."""
+        and the last position's logits. With `export_kv`, each output's `.kv` is a KVHandle for
+        another engine's `decode()`; its blocks stay pinned here until it is decoded, released
+        (`release(kv)`) or `kv_handle_ttl_s` passes."""
         first = dataclasses.replace(check_params(params), max_tokens=1)
-        seqs = self._run(self._sequences(prompts, first, keep_first_logits=True))
+        seqs = self._sequences(prompts, first, keep_first_logits=True)
+        for s in seqs:
+            s.pin_kv = bool(export_kv)
+        try:
+            self._run(seqs)
+        except BaseException:
+            self._exports.unpin(seqs)
+            raise
+        handles = self._exports.export(seqs, self._fingerprint) if export_kv else [None] * len(seqs)
         return [PrefillOutput(s.prompt_token_ids, s.output_token_ids[0],
                               self._text([s.output_token_ids[0]]), s.first_logits,
                               s.first_token_time - s.arrival_time, s.num_cached_tokens,
-                              s.kv_block_table) for s in seqs]
+                              s.kv_block_table, kv) for s, kv in zip(seqs, handles)]
+
+    def decode(self, handles: Seq[KVHandle],
+               params: SamplingParams | None = None) -> list[GenerateOutput]:
+        """Continue requests another engine prefilled (any TP size): pull each handle's K/V,
+        re-partitioned for this engine's heads, then decode. Tokens start with the prefill's
+        first token, as `generate` on one engine gives them (pass the prefill the same params)."""
+        params, handles = check_params(params), list(handles)
+        self._exports.sync()
+        if any(self._exports.owns(h) and h.ranks[0].actor is not None for h in handles):
+            # its ranks would wait on themselves: they serve the pull from their own blocks
+            raise InvalidRequestError("a handle exported by this engine's rank actors: decode it "
+                                      "on another engine (or call generate() here)")
+        seqs = adopt(self._core, self.plan, self._fingerprint, handles, params,
+                     self.config.step_timeout_s)
+        return [self._output(s) for s in self._wait(seqs)]
+
+    def release(self, kv: KVHandle) -> None:
+        """Give back the blocks of a handle this engine exported and nobody will decode."""
+        self._exports.release(kv)
 
     def generate(self, prompts: Prompt | Seq[Prompt],
                  params: SamplingParams | None = None) -> list[GenerateOutput]:
@@ -142,6 +178,7 @@ class LLM:
 
     def cache_stats(self) -> dict:
         """Per replica: blocks used/free, prefix-cache hits, preemptions, per-rank KV bytes."""
+        self._exports.sync()  # blocks of handles used, released or expired come back first
         out = self._core.call(lambda: [_replica_stats(r) for r in self._core.replicas])
         return {"replicas": out, **out[0]} if len(out) == 1 else {"replicas": out}
 
@@ -181,9 +218,11 @@ class LLM:
     def restart(self) -> None:
         """Tear every rank down and start the groups afresh, e.g. after a RankFailure. Requests
         in flight fail with a clear error."""
+        self._exports.close()  # exported K/V went with the old ranks
         self._core.restart()
 
     def shutdown(self) -> None:
+        self._exports.close()
         self._core.shutdown()
 
     def __enter__(self) -> "LLM":
@@ -210,12 +249,16 @@ class LLM:
     def _sequences(self, prompts, params: SamplingParams | None,
                    keep_first_logits: bool = False) -> list[Sequence]:
         params = check_params(params)
+        self._exports.sync()
         return [Sequence(self.tokenize(p), params, keep_first_logits=keep_first_logits)
                 for p in as_prompt_list(prompts)]
 
     def _run(self, seqs: list[Sequence]) -> list[Sequence]:
         """Submit, then wait for every request; the first failure is raised once all are done."""
         self._core.submit(seqs)
+        return self._wait(seqs)
+
+    def _wait(self, seqs: list[Sequence]) -> list[Sequence]:
         try:
             concurrent.futures.wait([s.future for s in seqs])
         except BaseException:  # e.g. Ctrl-C: the requests must not run on without a reader

@@ -5,7 +5,7 @@ import importlib
 import sys
 
 APPS = {"generate": "launcher.generate", "walkthrough": "launcher.walkthrough",
-        "bench": "launcher.bench", "score": "launcher.score"}
+        "bench": "launcher.bench", "score": "launcher.score", "disagg": "launcher.disagg"}
 
 
 def main() -> None:

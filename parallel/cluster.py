@@ -5,6 +5,11 @@ import os
 
 import ray
 
+# A local cluster the engine starts itself advertises at least this many logical CPUs, so several
+# engines in one process (a prefill and a decode group, say) fit on a small machine: their ranks
+# then share the real cores, each rank running torch on one thread.
+LOCAL_LOGICAL_CPUS = 16
+
 
 def connect(address: str | None = None) -> None:
     """Join the cluster at `address` (or $RAY_ADDRESS, or one `ray start` left on this machine);
@@ -17,7 +22,8 @@ def connect(address: str | None = None) -> None:
         _send_auth_token_if_any()
         ray.init(address=address, log_to_driver=False)
     else:
-        ray.init(include_dashboard=False, log_to_driver=False)
+        ray.init(num_cpus=max(os.cpu_count() or 1, LOCAL_LOGICAL_CPUS), include_dashboard=False,
+                 log_to_driver=False)
 
 
 def _send_auth_token_if_any() -> None:
@@ -45,22 +51,24 @@ def alive_nodes(device: str) -> dict[str, float]:
             if n["Alive"] and n["Resources"].get(unit, 0.0) > 0}
 
 
-def plan_replicas(dp: int, tp: int, device: str) -> list[str]:
+def plan_replicas(dp: int, tp: int, device: str, cpus_per_rank: float = 1.0) -> list[str]:
     """A node for each of `dp` TP groups: every group packed on one node, groups spread over
     the nodes with the most devices left. Fails at once, naming the shortfall, when the
     cluster is too small; a cluster big enough but busy is caught by the placement timeout."""
     unit = _unit(device)
     left = alive_nodes(device)
-    if dp * tp > sum(left.values()):
-        raise ValueError(f"{dp} replica(s) x tp={tp} need {dp * tp} {unit}s but the Ray cluster has "
-                         f"{sum(left.values()):g}; lower tp/dp or add nodes")
+    per_group = tp * (cpus_per_rank if unit == "CPU" else 1)
+    if dp * per_group > sum(left.values()):
+        raise ValueError(f"{dp} replica(s) x tp={tp} need {dp * per_group:g} {unit}s but the Ray "
+                         f"cluster has {sum(left.values()):g}; lower tp/dp or cpus_per_rank, or "
+                         f"add nodes")
     chosen: list[str] = []
     for replica in range(dp):
-        fits = [n for n in left if left[n] >= tp]
+        fits = [n for n in left if left[n] >= per_group]
         if not fits:
             raise ValueError(f"no node has {tp} {unit}s left for replica {replica}: a TP group must "
                              f"fit on one node ({unit}s per node: {sorted(left.values(), reverse=True)})")
         node = max(fits, key=lambda n: (left[n], -chosen.count(n)))
         chosen.append(node)
-        left[node] -= tp
+        left[node] -= per_group
     return chosen

@@ -47,6 +47,7 @@ class GroupOptions:
     placement_strategy: str = "STRICT_PACK"   # one TP group packed on one node
     placement_group: object | None = None     # an existing ray PlacementGroup, left to its owner
     node_id: str | None = None                # pin every rank to this Ray node
+    num_cpus: float = 1.0                     # logical CPUs per rank; fractions share cores
     # How a broken group is reported: the caller's own exception type, built from the message.
     error: Callable[[str], Exception] = field(default=lambda message: RankGroupError(message))
 
@@ -130,6 +131,10 @@ class RankGroup:
     def pids(self) -> list[int]:
         return list(self._pids)
 
+    def actors(self) -> list[Any]:
+        """The rank actors, in rank order (e.g. for another group to call one directly)."""
+        return list(self._actors)
+
     def launch(self, method: str, *args: Any, **kwargs: Any) -> PendingCall:
         """Start `worker.method(*args, **kwargs)` on every rank without waiting.
 
@@ -175,7 +180,7 @@ class RankGroup:
 
     def _place(self) -> None:
         opts = self._options
-        bundle = {"GPU": 1, "CPU": 1} if comm.is_cuda(opts.device) else {"CPU": 1}
+        bundle = {"GPU": 1, "CPU": opts.num_cpus} if comm.is_cuda(opts.device) else {"CPU": opts.num_cpus}
         if self._pg is None:
             selector = [{NODE_ID_LABEL_KEY: opts.node_id}] * opts.world_size if opts.node_id else None
             self._pg = placement_group([dict(bundle)] * opts.world_size,
@@ -194,7 +199,7 @@ class RankGroup:
             strategy = PlacementGroupSchedulingStrategy(placement_group=self._pg,
                                                         placement_group_bundle_index=rank)
             self._actors.append(_RankActor.options(
-                num_cpus=1, num_gpus=1 if comm.is_cuda(opts.device) else 0,
+                num_cpus=opts.num_cpus, num_gpus=1 if comm.is_cuda(opts.device) else 0,
                 scheduling_strategy=strategy).remote(dict(opts.env)))
         out = _gather([a.describe.remote() for a in self._actors], opts.init_timeout_s)
         self._check(out, "failed to start its actor")
@@ -261,7 +266,7 @@ def _placement_advice(bundle: dict[str, int], opts: GroupOptions) -> str:
     total, free = ray.cluster_resources(), ray.available_resources()
     have = ", ".join(f"{int(total.get(res, 0))} {res} in total ({int(free.get(res, 0))} free)"
                      for res in asked)
-    wanted = ", ".join(f"{n} {res}" for res, n in asked.items())
+    wanted = ", ".join(f"{n:g} {res}" for res, n in asked.items())
     where = " on one node" if opts.placement_strategy.startswith("STRICT_PACK") else ""
     return (f"could not place {opts.world_size} ranks within {opts.init_timeout_s} s: asked for "
             f"{wanted}{where} ({opts.placement_strategy}), the cluster has {have}; lower "

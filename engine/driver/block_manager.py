@@ -81,6 +81,10 @@ class BlockManager:
             hits.pop()  # the last token must run through the model to give logits
         return hits
 
+    def cached_prefix_tokens(self, tokens: list[int]) -> int:
+        """How many leading tokens of `tokens` a request would find cached here (for routing)."""
+        return len(self._cached_prefix(tokens)) * self.block_size if self.enable_prefix_caching else 0
+
     def allocate(self, seq: Sequence, use_prefix_cache: bool = True) -> bool:
         """Give a waiting sequence blocks for all its tokens, reusing cached ones (unless told
         not to). False if the pool cannot hold it now."""
@@ -133,6 +137,20 @@ class BlockManager:
         seq.block_table = []
         seq.num_hashed_blocks = 0
         seq.parent_hash = None
+
+    def allocate_blocks(self, n: int) -> list[int] | None:
+        """`n` fresh blocks for K/V written from outside (a KV hand-off); None if too few are free."""
+        if self.num_free_blocks < n:
+            return None
+        return [self._take_fresh() for _ in range(n)]
+
+    def free_blocks(self, block_table: list[int]) -> None:
+        """Drop one reference to each block (an exported or adopted table without a sequence)."""
+        for bid in reversed(block_table):
+            block = self.blocks[bid]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_ids[bid] = None
 
     def _take(self, bid: int) -> None:
         block = self.blocks[bid]

@@ -116,9 +116,20 @@ class EngineCore:
             for seq in cancelled:
                 self._abort(seq)
             for seq in new:
-                min(self.replicas, key=lambda r: r.load).scheduler.add(seq)
+                self._route(seq)
             if self._has_work():
                 self._step()
+
+    def _route(self, seq: Sequence) -> None:
+        """Prefix affinity: the replica already holding the longest cached prefix of the prompt
+        (its K/V need not be computed again); ties, and no hit anywhere, go to the least loaded."""
+        def cost(i: int) -> tuple[int, int]:
+            r = self.replicas[i]
+            return -r.block_manager.cached_prefix_tokens(seq.token_ids), r.load
+
+        index = min(range(len(self.replicas)), key=cost) if len(self.replicas) > 1 else 0
+        seq.replica = index
+        self.replicas[index].scheduler.add(seq)
 
     def _has_work(self) -> bool:
         return any(r.scheduler.has_work() for r in self.replicas)
@@ -151,7 +162,7 @@ class EngineCore:
                 for seq in seqs:
                     seq.reset()
                     self._retried.add(seq.seq_id)
-                    min(self.replicas, key=lambda r: r.load).scheduler.add(seq)
+                    self._route(seq)
                 return
             except EngineError as again:
                 error = RankFailure(f"{error}; the restart failed too: {again}")

@@ -53,6 +53,18 @@ class Executor(ABC):
     def read_kv(self, layer: int, block_table: list[int], length: int) -> list[tuple]:
         return self._call(Worker.read_kv, layer, block_table, length)
 
+    def export_kv(self, items: list[tuple[list[int], int]]) -> list[list]:
+        """Per rank, per (block table, length): refs[layer][local kv head] of published K/V."""
+        return self._call(Worker.export_kv, items)
+
+    def rank_actors(self) -> list | None:
+        """The Ray actor of every rank (another engine's ranks may call them), or None."""
+        return None
+
+    def import_kv(self, items: list[tuple[dict, list[int], int]], timeout_s: float) -> list[list]:
+        """Per rank, per item: None, or why that rank could not pull its heads."""
+        return self._call(Worker.import_kv, items, timeout_s)
+
     def memory(self) -> list[dict]:
         return self._call(Worker.memory)
 
@@ -94,7 +106,8 @@ class RayExecutor(Executor):
                                init_timeout_s=cfg.init_timeout_s, step_timeout_s=cfg.step_timeout_s,
                                collective_timeout_s=cfg.collective_timeout_s,
                                env={"GLOO_SOCKET_IFNAME": ifname, "NCCL_SOCKET_IFNAME": ifname}
-                               if ifname else {}, node_id=node_id, error=RankFailure)
+                               if ifname else {}, node_id=node_id, error=RankFailure,
+                               num_cpus=cfg.cpus_per_rank)
         self.group = RankGroup(Worker, options, plan)
 
     def _launch(self, method: Callable, *args: Any) -> Any:
@@ -105,6 +118,9 @@ class RayExecutor(Executor):
 
     def node_addresses(self) -> list[tuple[str, str]]:
         return list(zip(self.group.node_ips(), self.group.node_ids()))
+
+    def rank_actors(self) -> list:
+        return self.group.actors()
 
     def shutdown(self) -> None:
         self.group.shutdown()
@@ -118,7 +134,7 @@ def make_executors(plan: EnginePlan, cfg: EngineConfig, checkpoint: Checkpoint) 
 
     cluster.connect(cfg.ray_address)
     try:
-        nodes = cluster.plan_replicas(cfg.dp, cfg.tp, cfg.device)
+        nodes = cluster.plan_replicas(cfg.dp, cfg.tp, cfg.device, cfg.cpus_per_rank)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     executors: list[Executor] = []

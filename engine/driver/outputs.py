@@ -15,6 +15,7 @@ class PrefillOutput:
     ttft_s: float
     cached_tokens: int  # prompt tokens whose K/V came from the prefix cache
     block_table: list[int]  # KV blocks that held the prompt on every rank (reusable until evicted)
+    kv: object = None  # a KVHandle with prefill(export_kv=True), for another engine's decode()
 
 
 @dataclass(slots=True)

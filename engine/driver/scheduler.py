@@ -153,7 +153,10 @@ class Scheduler:
     def _finish(self, seq: Sequence, reason: FinishReason, finished: list[Sequence]) -> None:
         seq.finish_reason, seq.status = reason, Status.FINISHED
         seq.kv_block_table = list(seq.block_table)
-        self.blocks.free(seq)
+        if seq.pin_kv and reason in (FinishReason.STOP, FinishReason.LENGTH):
+            seq.block_table = []  # its references pass to the KV export, which frees them
+        else:
+            self.blocks.free(seq)
         self.running.remove(seq)
         finished.append(seq)
 
@@ -163,6 +166,16 @@ class Scheduler:
         if len(seq.output_token_ids) >= seq.params.max_tokens or seq.num_tokens >= self.max_model_len:
             return FinishReason.LENGTH
         return None
+
+    def adopt(self, seq: Sequence) -> bool:
+        """Enter a sequence whose prompt K/V another engine computed (blocks already held, first
+        token already sampled) as running. True if it is finished at once (EOS or max_tokens)."""
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+        reason = self._finish_reason(seq)
+        if reason:
+            self._finish(seq, reason, [])
+        return reason is not None
 
     def abort(self, seqs: list[Sequence], reason: FinishReason = FinishReason.ABORTED) -> None:
         """Forget sequences whose step failed; their blocks go back, never half-registered."""

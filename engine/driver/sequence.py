@@ -50,6 +50,8 @@ class Sequence:
     finish_reason: FinishReason | None = None
     error: str | None = None  # with FinishReason.ERROR: what the rank said
     kv_block_table: list[int] = field(default_factory=list)  # where its K/V stayed when it finished
+    pin_kv: bool = False  # export_kv: on finishing, keep the blocks referenced for a KVHandle
+    replica: int = 0  # index of the replica serving it
     # resolved by the step loop when the request ends; on_token sees each new token as it comes
     future: Future = field(default_factory=Future)
     on_token: Callable[[int], None] | None = None
