@@ -21,12 +21,14 @@ def main() -> None:
     ap.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 2048])
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--compile", action="store_true", help="the engine with compile=True")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     hf = hf_model(str(resolve_model(args.model)), dtype)
     llm = LLM(args.model, dtype=args.dtype, enable_prefix_caching=False,
-              max_num_batched_tokens=max(args.lengths))
-    print(f"{machine()}; dtype={args.dtype} model={args.model}; best of {args.repeats}, alternating")
+              max_num_batched_tokens=max(args.lengths), compile=args.compile)
+    print(f"{machine()}; dtype={args.dtype} model={args.model} compile={args.compile}; "
+          f"best of {args.repeats}, alternating")
     print(f"{'tokens':>6} {'engine tok/s':>12} {'GFLOP/s':>8} {'hf tok/s':>9} {'GFLOP/s':>8} {'ratio':>6}")
     for n in args.lengths:
         ids = random_ids(n, llm.model_config.vocab_size, seed=n)

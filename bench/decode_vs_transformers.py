@@ -1,0 +1,72 @@
+"""Decode speed of the engine next to transformers `generate`, same weights, threads and dtype:
+a 256-token prompt, 64 greedy tokens, identical tokens checked; and the rate at which decode
+reads the weights, as a share of this machine's read bandwidth measured in the same run.
+
+    .venv/bin/python -m bench.decode_vs_transformers --repeats 3
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from bench.common import best_of, machine, random_ids
+from engine import LLM, SamplingParams
+from engine.loading.checkpoint import resolve_model
+from launcher.baseline import hf_model
+
+
+def read_bandwidth() -> float:
+    """Bytes/s of summing a tensor far larger than the caches: a pure read."""
+    data = torch.ones(64 * 2**20 // 4 * 4)  # 256 MiB of float32
+    return data.numel() * 4 / best_of(lambda: data.sum(), 5)
+
+
+def engine_decode_s(llm: LLM, ids: list[int], n: int) -> tuple[float, list[int]]:
+    start = time.perf_counter()
+    [g] = llm.generate([ids], SamplingParams(max_tokens=n, ignore_eos=True))
+    return (time.perf_counter() - start - g.ttft_s) / (n - 1), g.token_ids
+
+
+@torch.inference_mode()
+def hf_decode_s(model, ids: list[int], n: int) -> tuple[float, list[int]]:
+    x = torch.tensor([ids])
+    start = time.perf_counter()
+    model(x, logits_to_keep=1)
+    prefill = time.perf_counter() - start
+    start = time.perf_counter()
+    out = model.generate(x, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    return (time.perf_counter() - start - prefill) / (n - 1), out[0, len(ids):].tolist()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    args = ap.parse_args()
+    hf = hf_model(str(resolve_model("smollm2")), getattr(torch, args.dtype))
+    llm = LLM("smollm2", dtype=args.dtype, enable_prefix_caching=False)
+    ids = random_ids(args.prompt_len, llm.model_config.vocab_size, seed=1)
+    weight_bytes = sum(i.weight_bytes for i in llm.rank_info())
+    ours = theirs = float("inf")
+    for _ in range(args.repeats):  # alternate, so a slow spell hits both alike
+        s, ours_tokens = engine_decode_s(llm, ids, args.tokens)
+        ours = min(ours, s)
+        s, hf_tokens = hf_decode_s(hf, ids, args.tokens)
+        theirs = min(theirs, s)
+    llm.shutdown()
+    bandwidth = read_bandwidth()
+    print(f"{machine()}; SmolLM2 {args.dtype}, {args.prompt_len}-token prompt, {args.tokens} "
+          f"greedy tokens, best of {args.repeats}")
+    print(f"engine       {1 / ours:6.1f} tok/s   transformers {1 / theirs:6.1f} tok/s   "
+          f"ratio {theirs / ours:.2f}x   identical tokens: {ours_tokens == hf_tokens}")
+    print(f"weights read per token {weight_bytes / 1e6:.0f} MB: engine {weight_bytes / ours / 1e9:.1f} "
+          f"GB/s = {weight_bytes / ours / bandwidth:.0%} of the {bandwidth / 1e9:.1f} GB/s read "
+          f"bandwidth measured here")
+
+
+if __name__ == "__main__":
+    main()
