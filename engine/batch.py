@@ -57,3 +57,4 @@ class StepResult:
     sample_s: float = 0.0  # rank 0's time choosing the tokens
     nonfinite_rows: list[int] = field(default_factory=list)  # logits rows holding NaN or Inf
     row_errors: dict[int, str] = field(default_factory=dict)  # rows whose sampling raised
+    comm_total_s: float = 0.0  # collectives in flight, start to finish (>= collective_s)

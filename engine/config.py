@@ -27,6 +27,7 @@ class EngineConfig:
     retry_on_rank_failure: bool = False  # restart the groups once and rerun the requests
     ray_address: str | None = None  # None: $RAY_ADDRESS, else a local cluster
     socket_ifname: str | None = None  # network interface for gloo/NCCL between nodes
+    overlap_comm: bool = False  # two micro-batches per step: one's all-reduce hides behind the other
     # engine.*
     device: str = "cpu"
     dtype: str | None = None  # None: float32 on CPU, bfloat16 on CUDA
@@ -69,7 +70,7 @@ class EngineConfig:
                 _positive_int(name, getattr(self, name), "None (the default) or ")
         for name in ("init_timeout_s", "step_timeout_s", "collective_timeout_s"):
             _positive_number(name, getattr(self, name), "seconds")
-        for name in ("retry_on_rank_failure", "enable_prefix_caching"):
+        for name in ("retry_on_rank_failure", "enable_prefix_caching", "overlap_comm"):
             _require(isinstance(getattr(self, name), bool),
                      f"{name}={getattr(self, name)!r}: use True or False")
         _require(self.compile is None or isinstance(self.compile, bool),

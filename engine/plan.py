@@ -49,6 +49,7 @@ class EnginePlan:
     heads: list[HeadPartition]
     ffn: list[Range]
     vocab: list[Range]
+    overlap_comm: bool = False  # split each multi-token step in two, all-reduces overlapped
 
     @property
     def on_cuda(self) -> bool:
@@ -110,4 +111,5 @@ def make_plan(cfg: EngineConfig, source: str, mc: ModelConfig) -> EnginePlan:
     return EnginePlan(source, mc, cfg.tp, cfg.device, dtype, backend, max_model_len,
                       cfg.block_size, num_blocks, cfg.num_threads,
                       cfg.device != "cpu" if cfg.compile is None else cfg.compile, heads,
-                      even_ranges(mc.intermediate_size, cfg.tp), even_ranges(mc.vocab_size, cfg.tp))
+                      even_ranges(mc.intermediate_size, cfg.tp), even_ranges(mc.vocab_size, cfg.tp),
+                      overlap_comm=cfg.overlap_comm)

@@ -27,6 +27,12 @@ class StepTiming:
     sample_s: float = 0.0  # rank 0 choosing the next tokens
     num_tokens: int = 0  # tokens the step ran through the model
     num_seqs: int = 0
+    comm_total_s: float = 0.0  # rank 0's collectives in flight, start to finish, overlapped or not
+
+    @property
+    def comm_exposed_s(self) -> float:
+        """Rank 0 blocked on a collective: the communication compute did not hide."""
+        return self.collective_s
 
     @property
     def overhead_s(self) -> float:
@@ -83,7 +89,7 @@ class Replica:
                                               set(result.nonfinite_rows), result.row_errors)
         self.steps.append(StepTiming(time.perf_counter() - step.started, step.schedule_s,
                                      result.forward_s, result.collective_s, result.sample_s,
-                                     step.num_tokens, len(step.scheduled)))
+                                     step.num_tokens, len(step.scheduled), result.comm_total_s))
         return finished
 
     def abort_all(self) -> list[Sequence]:

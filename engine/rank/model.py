@@ -13,6 +13,7 @@ from engine.loading.model_config import ModelConfig
 from engine.plan import ShardPlan
 from engine.rank.attention import KVStore, PagedAttention, StepContext
 from engine.rank.backend import TORCH, Backend
+from engine.rank.overlap import SplitContext, run_layers_split
 from engine.rank.rope import RotaryEmbedding
 from parallel.layers import (ColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
                              RowParallelLinear, TensorReader, VocabParallelEmbedding,
@@ -55,10 +56,14 @@ class Attention(nn.Module):
         self.o_proj = RowParallelLinear(range_times(shard.heads.q_heads, hd), cfg.hidden_size)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        return self.o_proj(self.attend(positions, x, ctx))
+
+    def attend(self, positions: torch.Tensor, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """Everything before o_proj (and its all-reduce): [T, local q heads * head_dim]."""
         q, k, v = (t.view(len(x), -1, self.head_dim) for t in self.qkv_proj.split(self.qkv_proj(x)))
         q, k = self.rotary_emb(positions, q, k)
         self.kv_store(k, v, ctx)
-        return self.o_proj(self.attn(q, k, v, ctx).flatten(1))
+        return self.attn(q, k, v, ctx).flatten(1)
 
     def load(self, read: TensorReader, prefix: str) -> None:
         self.qkv_proj.load(read, [f"{prefix}.q_proj", f"{prefix}.k_proj", f"{prefix}.v_proj"])
@@ -119,9 +124,12 @@ class CausalLM(nn.Module):
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext,
                 logits_indices: torch.Tensor) -> torch.Tensor | None:
         """Logits [len(logits_indices), vocab] on rank 0 (None on other ranks)."""
-        x, residual = self.embed_tokens(token_ids), None
-        for layer in self.layers:
-            x, residual = layer(positions, x, residual, ctx)
+        if isinstance(ctx, SplitContext):  # overlap_comm: two micro-batches, interleaved
+            x, residual = run_layers_split(self, token_ids, positions, ctx)
+        else:
+            x, residual = self.embed_tokens(token_ids), None
+            for layer in self.layers:
+                x, residual = layer(positions, x, residual, ctx)
         # only the rows that sample a token go through the final norm and the LM head
         if not len(logits_indices):  # every rank sees the same batch, so all skip together
             return None

@@ -21,6 +21,7 @@ from engine.rank.compiled import CompiledLayers, warm_up
 from engine.rank.kernels.step_metadata import build_step_metadata
 from engine.rank.kv_cache import KVCache
 from engine.rank.model import CausalLM
+from engine.rank.overlap import make_split_context
 from engine.rank.sampler import sample
 from parallel import comm
 
@@ -104,11 +105,15 @@ class Worker:
     def execute(self, batch: Batch) -> StepResult | None:
         dev, start, collective_before = self.device, time.perf_counter(), comm.CLOCK.seconds
         # the step's metadata goes to the device once, in one copy, and every layer reads it
-        meta = build_step_metadata(batch.cu_seqlens_q, batch.context_lens, batch.block_tables,
-                                   batch.slot_mapping, self.kv_head_of_q, dev,
-                                   uniform_groups=self.uniform_groups)
+        if self.plan.overlap_comm and self.plan.world_size > 1 and batch.num_tokens >= 2:
+            ctx = make_split_context(batch, self.cache, self.kv_head_of_q, dev, self.uniform_groups)
+        else:
+            ctx = StepContext(self.cache, build_step_metadata(
+                batch.cu_seqlens_q, batch.context_lens, batch.block_tables, batch.slot_mapping,
+                self.kv_head_of_q, dev, uniform_groups=self.uniform_groups))
+        busy_before = comm.CLOCK.busy_seconds
         logits = self.model(torch.tensor(batch.token_ids, device=dev),
-                            torch.tensor(batch.positions, device=dev), StepContext(self.cache, meta),
+                            torch.tensor(batch.positions, device=dev), ctx,
                             torch.tensor(batch.logits_indices, device=dev, dtype=torch.long))
         if self.plan.on_cuda:  # the timers below read host time: let the device catch up first
             torch.cuda.synchronize(dev)
@@ -116,6 +121,7 @@ class Worker:
             return None
         forward_s = time.perf_counter() - start
         result = StepResult([], None, forward_s, comm.CLOCK.seconds - collective_before)
+        result.comm_total_s = comm.CLOCK.busy_seconds - busy_before
         if logits is not None:  # None: every sequence is mid-prompt, nothing to sample
             self._sample(logits.cpu(), batch, result)
         return result
