@@ -28,6 +28,7 @@ class EngineConfig:
     ray_address: str | None = None  # None: $RAY_ADDRESS, else a local cluster
     socket_ifname: str | None = None  # network interface for gloo/NCCL between nodes
     overlap_comm: bool = False  # two micro-batches per step: one's all-reduce hides behind the other
+    cp: int = 1  # context-parallel ranks per replica: a replica is tp x cp rank actors
     # engine.*
     device: str = "cpu"
     dtype: str | None = None  # None: float32 on CPU, bfloat16 on CUDA
@@ -63,7 +64,7 @@ class EngineConfig:
             self.model = os.fspath(self.model)
         _require(isinstance(self.model, str) and self.model != "",
                  f"model={self.model!r}: name an alias, an HF-style directory or a .gguf file")
-        for name in ("tp", "dp", "block_size", "max_num_batched_tokens", "max_num_seqs"):
+        for name in ("tp", "dp", "cp", "block_size", "max_num_batched_tokens", "max_num_seqs"):
             _positive_int(name, getattr(self, name))
         for name in ("max_model_len", "num_threads"):
             if getattr(self, name) is not None:
@@ -87,6 +88,20 @@ class EngineConfig:
         _check_memory(self.kv_cache_gb, self.device)
         _require(self.attention_backend in ("auto", "torch", "triton"),
                  f"attention_backend={self.attention_backend!r}: use 'auto', 'torch' or 'triton'")
+        if self.cp > 1:
+            _check_context_parallel(self)
+
+
+def _check_context_parallel(cfg: EngineConfig) -> None:
+    """What cp > 1 does not support yet is refused here, by name, rather than run wrong."""
+    _require(not cfg.enable_prefix_caching,
+             f"enable_prefix_caching=True with cp={cfg.cp}: a cached prefix would be split over "
+             f"the context ranks differently from the new prompt; set enable_prefix_caching=False")
+    _require(not cfg.overlap_comm,
+             f"overlap_comm=True with cp={cfg.cp}: not supported together; set one of them off")
+    _require(cfg.compile is not True,
+             f"compile=True with cp={cfg.cp}: context-parallel attention runs eagerly; set "
+             f"compile=False")
 
 
 def _require(ok: bool, message: str) -> None:

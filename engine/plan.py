@@ -50,6 +50,7 @@ class EnginePlan:
     ffn: list[Range]
     vocab: list[Range]
     overlap_comm: bool = False  # split each multi-token step in two, all-reduces overlapped
+    cp: int = 1  # context-parallel ranks; a replica is world_size (TP) x cp rank actors
 
     @property
     def on_cuda(self) -> bool:
@@ -96,6 +97,11 @@ def make_plan(cfg: EngineConfig, source: str, mc: ModelConfig) -> EnginePlan:
     if max_model_len > mc.max_position_embeddings:
         raise ConfigError(f"max_model_len={cfg.max_model_len} exceeds the model's context of "
                           f"{mc.max_position_embeddings} tokens; use at most that")
+    if cfg.cp > 1 and cfg.max_num_batched_tokens < max_model_len:
+        raise ConfigError(
+            f"max_num_batched_tokens={cfg.max_num_batched_tokens} with cp={cfg.cp}: context "
+            f"parallelism prefills whole prompts only (no chunked prefill), so a step must hold "
+            f"the longest prompt; raise it to max_model_len={max_model_len} or lower max_model_len")
     # every rank gets as many blocks as the rank with the most KV heads can hold
     widest = max(h.num_kv_heads for h in heads)
     dtype = cfg.torch_dtype
@@ -112,4 +118,4 @@ def make_plan(cfg: EngineConfig, source: str, mc: ModelConfig) -> EnginePlan:
                       cfg.block_size, num_blocks, cfg.num_threads,
                       cfg.device != "cpu" if cfg.compile is None else cfg.compile, heads,
                       even_ranges(mc.intermediate_size, cfg.tp), even_ranges(mc.vocab_size, cfg.tp),
-                      overlap_comm=cfg.overlap_comm)
+                      overlap_comm=cfg.overlap_comm, cp=cfg.cp)

@@ -73,19 +73,32 @@ def is_cuda(device: str | torch.device) -> bool:
     return str(device).startswith("cuda")
 
 
+# The tensor-parallel sub-group of this rank when a replica also splits by context (cp > 1);
+# None: the whole process group is the tensor-parallel group. Every collective below uses it.
+_TP_GROUP = None
+
+
+def set_tensor_group(group) -> None:
+    """Make `group` (from dist.new_group) the one the layers' collectives run over."""
+    global _TP_GROUP
+    _TP_GROUP = group
+
+
 def world_size() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
+    """Ranks in this rank's tensor-parallel group."""
+    return dist.get_world_size(_TP_GROUP) if dist.is_initialized() else 1
 
 
 def rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
+    """This rank's index in its tensor-parallel group."""
+    return dist.get_rank(_TP_GROUP) if dist.is_initialized() else 0
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum over ranks, in place. A no-op for a world of one."""
     if world_size() > 1:
         start = time.perf_counter()
-        dist.all_reduce(x)
+        dist.all_reduce(x, group=_TP_GROUP)
         CLOCK.add_since(start)
     return x
 
@@ -122,7 +135,7 @@ def all_reduce_async(x: torch.Tensor) -> PendingAllReduce:
     if world_size() == 1:
         return PendingAllReduce(x, None, 0.0)
     start = time.perf_counter()
-    return PendingAllReduce(x, dist.all_reduce(x, async_op=True), start)
+    return PendingAllReduce(x, dist.all_reduce(x, group=_TP_GROUP, async_op=True), start)
 
 
 def gather_last_dim(x: torch.Tensor, sizes: list[int]) -> torch.Tensor | None:
@@ -137,7 +150,7 @@ def gather_last_dim(x: torch.Tensor, sizes: list[int]) -> torch.Tensor | None:
     padded = torch.nn.functional.pad(x, (0, width - x.shape[-1])).contiguous()
     parts = [torch.empty_like(padded) for _ in sizes] if rank() == 0 else None
     start = time.perf_counter()
-    dist.gather(padded, parts, dst=0)
+    dist.gather(padded, parts, group=_TP_GROUP, group_dst=0)
     CLOCK.add_since(start)
     if rank() != 0:
         return None

@@ -12,6 +12,7 @@ from engine.config import EngineConfig
 from engine.driver.block_manager import BlockManager
 from engine.driver.executor import Executor
 from engine.driver.scheduler import Scheduler
+from engine.driver.whole_prompts import WholePromptScheduler
 from engine.driver.sequence import Sequence
 from engine.plan import EnginePlan
 
@@ -62,7 +63,9 @@ class Replica:
         self.rank_info = executor.info()
         self.block_manager = BlockManager(plan.num_blocks, plan.block_size,
                                           cfg.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, cfg.max_num_batched_tokens,
+        # cp > 1: prompts are split over context ranks on arrival, so they run whole
+        scheduler = WholePromptScheduler if plan.cp > 1 else Scheduler
+        self.scheduler = scheduler(self.block_manager, cfg.max_num_batched_tokens,
                                    cfg.max_num_seqs, plan.max_model_len, plan.model.eos_token_ids)
         self.steps: list[StepTiming] = []
 
