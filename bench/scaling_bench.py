@@ -40,7 +40,7 @@ def measure(model: str, length: int, repeats: int, **settings) -> dict:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
     with LLM(model, dtype="float32", enable_prefix_caching=False, max_num_batched_tokens=length,
-             max_model_len=length + 8, kv_cache_gb=0.5, **settings) as llm:
+             max_model_len=length + 8, kv_cache_gb=0.5, step_timeout_s=900.0, **settings) as llm:
         pids = [os.getpid()] if in_process else llm.rank_pids()[0]
         ids = random_ids(length, llm.model_config.vocab_size, seed=length)
         llm.prefill([random_ids(64, llm.model_config.vocab_size, seed=1)])  # warm-up

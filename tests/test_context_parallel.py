@@ -80,7 +80,9 @@ def single(tiny_model_dir):
     path = str(tiny_model_dir("uneven"))
     prompts = [_ids(n, 301, seed=s) for n, s in PROMPTS]
     with LLM(path) as llm:
-        return path, prompts, _run(llm, prompts)
+        ref = _run(llm, prompts)
+        ref["one_token"] = llm.prefill([[7]])[0].logits
+        return path, prompts, ref
 
 
 @pytest.mark.parametrize("cp,tp", [(2, 1), (3, 1), (2, 2)])
@@ -88,6 +90,9 @@ def test_context_parallel_matches_single_rank(ray_cluster, single, cp, tp):
     path, prompts, ref = single
     with LLM(path, cp=cp, tp=tp, **CP_ONLY) as llm:
         got = _run(llm, prompts)
+        # a step of one 1-token prompt: context ranks past the first have no token at all
+        one_token = llm.prefill([[7]])[0].logits
+        assert (one_token - ref["one_token"]).abs().max().item() <= 1e-4
         assert len(llm.rank_info()) == cp * tp
         assert llm.step_timings()[0].num_seqs == len(prompts)  # all three packed in one step
         mc = llm.model_config
@@ -120,3 +125,24 @@ def test_unsupported_context_parallel_settings_are_refused(ray_cluster, tiny_mod
     with pytest.raises(ConfigError, match=r"cp=3 x tp=2 = 6 ranks per replica.*need 6 CPUs"):
         LLM(path, cp=3, tp=2, **CP_ONLY)  # the test cluster has 4 CPUs
     assert time.perf_counter() - start < 10
+
+
+def test_rank_stuck_mid_ring_fails_the_step_within_its_timeout(ray_cluster, single):
+    """Context rank 1 frozen: rank 0 sends its K/V chunk and waits for rank 1's, which never
+    comes. The step fails as a RankFailure naming a rank within step_timeout_s, as with TP."""
+    import os
+    import signal
+
+    from engine import RankFailure
+
+    path, prompts, _ = single
+    with LLM(path, cp=2, step_timeout_s=5, **CP_ONLY) as llm:
+        victim = llm.rank_pids()[0][1]
+        os.kill(victim, signal.SIGSTOP)
+        try:
+            start = time.monotonic()
+            with pytest.raises(RankFailure, match="rank"):
+                llm.prefill(prompts[:1])
+            assert time.monotonic() - start < 5 + 3  # the bound, plus the teardown
+        finally:
+            os.kill(victim, signal.SIGCONT)
