@@ -69,9 +69,11 @@ def _attention_flops(tokens: int) -> float:
 
 def main() -> None:
     a = Assumptions()
-    print(f"Llama-3-70B, 131072-token prompt, 2 nodes x 8 H100 (bf16 {SPECS['h100'][0] / 1e12:.0f} "
-          f"TFLOP/s x MFU {a.mfu}); NVLink {a.nvlink_gbps:.0f} GB/s, IB {a.ib_gbps:.0f} GB/s per GPU")
-    print("| layout | compute s | TP all-reduce s | CP ring s (exposed) | TTFT s | TTFT, AR fully overlapped s |")
+    print(f"Llama-3-70B, 131072-token prompt, 2 nodes x 8 H100 (bf16 "
+          f"{SPECS['h100'][0] / 1e12:.0f} TFLOP/s x MFU {a.mfu}); NVLink {a.nvlink_gbps:.0f} "
+          f"GB/s, IB {a.ib_gbps:.0f} GB/s per GPU")
+    print("| layout | compute s | TP all-reduce s | CP ring s (exposed) | TTFT s "
+          "| TTFT, AR fully overlapped s |")
     print("|---|---|---|---|---|---|")
     for tp, cp in ((8, 2), (16, 1)):
         r = project(131072, tp, cp, a)

@@ -27,7 +27,7 @@ class EngineConfig:
     retry_on_rank_failure: bool = False  # restart the groups once and rerun the requests
     ray_address: str | None = None  # None: $RAY_ADDRESS, else a local cluster
     socket_ifname: str | None = None  # network interface for gloo/NCCL between nodes
-    overlap_comm: bool = False  # two micro-batches per step: one's all-reduce hides behind the other
+    overlap_comm: bool = False  # two micro-batches a step: one's all-reduce behind the other
     cp: int = 1  # context-parallel ranks per replica: a replica is tp x cp rank actors
     # engine.*
     device: str = "cpu"

@@ -122,3 +122,20 @@ def test_overlap_on_matches_off(ray_cluster, tiny_model_dir, tp):
     # every step reports its overlapped collectives: in flight at least as long as waited on
     assert all(t.comm_total_s >= t.comm_exposed_s - 1e-6 for t in timings)
     assert any(t.comm_total_s > 0 for t in timings)
+
+
+def test_hydra_keys_reach_the_engine_settings():
+    """parallel.overlap_comm and parallel.cp are Hydra keys, defaults off, checked like the rest."""
+    from hydra import compose, initialize_config_dir
+
+    from engine.config import EngineConfig
+    from launcher.common import CONF_DIR, engine_settings
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        defaults = engine_settings(compose("generate"))
+        asked = engine_settings(compose("generate", overrides=["parallel.overlap_comm=true",
+                                                               "parallel.cp=2"]))
+    assert (defaults["overlap_comm"], defaults["cp"]) == (False, 1)
+    assert (asked["overlap_comm"], asked["cp"]) == (True, 2)
+    with pytest.raises(ConfigError, match="overlap_comm=True with cp=2"):
+        EngineConfig.from_kwargs(**{**asked, "enable_prefix_caching": False})

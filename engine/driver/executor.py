@@ -120,8 +120,8 @@ def make_executors(plan: EnginePlan, cfg: EngineConfig, checkpoint: Checkpoint) 
     try:
         nodes = cluster.plan_replicas(cfg.dp, cfg.tp * cfg.cp, cfg.device)
     except ValueError as e:
-        ranks = f"cp={cfg.cp} x tp={cfg.tp} = {cfg.tp * cfg.cp} ranks per replica: " if cfg.cp > 1 else ""
-        raise ConfigError(f"{ranks}{e}") from None
+        ranks = f"cp={cfg.cp} x tp={cfg.tp} = {cfg.tp * cfg.cp} ranks per replica: "
+        raise ConfigError(f"{ranks if cfg.cp > 1 else ''}{e}") from None
     executors: list[Executor] = []
     try:
         for node in nodes:
