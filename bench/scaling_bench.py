@@ -39,8 +39,10 @@ def measure(model: str, length: int, repeats: int, **settings) -> dict:
     if in_process:  # this process is the rank: restart its peak-memory mark
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
-    with LLM(model, dtype="float32", enable_prefix_caching=False, max_num_batched_tokens=length,
-             max_model_len=length + 8, kv_cache_gb=0.5, step_timeout_s=900.0, **settings) as llm:
+    # whole prompts in one step (cp > 1 needs the budget to hold max_model_len)
+    with LLM(model, dtype="float32", enable_prefix_caching=False, max_model_len=length + 8,
+             max_num_batched_tokens=length + 8, kv_cache_gb=0.5, step_timeout_s=900.0,
+             **settings) as llm:
         pids = [os.getpid()] if in_process else llm.rank_pids()[0]
         ids = random_ids(length, llm.model_config.vocab_size, seed=length)
         llm.prefill([random_ids(64, llm.model_config.vocab_size, seed=1)])  # warm-up

@@ -116,6 +116,8 @@ def make_plan(cfg: EngineConfig, source: str, mc: ModelConfig) -> EnginePlan:
             f"({needed} blocks); raise kv_cache_gb or lower max_model_len")
     return EnginePlan(source, mc, cfg.tp, cfg.device, dtype, backend, max_model_len,
                       cfg.block_size, num_blocks, cfg.num_threads,
-                      cfg.device != "cpu" if cfg.compile is None else cfg.compile, heads,
+                      # cp > 1 runs eagerly (compile=True is refused with it)
+                      cfg.device != "cpu" and cfg.cp == 1 if cfg.compile is None else cfg.compile,
+                      heads,
                       even_ranges(mc.intermediate_size, cfg.tp), even_ranges(mc.vocab_size, cfg.tp),
                       overlap_comm=cfg.overlap_comm, cp=cfg.cp)
