@@ -158,6 +158,7 @@ def gather_last_dim(x: torch.Tensor, sizes: list[int]) -> torch.Tensor | None:
 
 
 def destroy() -> None:
+    set_tensor_group(None)  # its sub-groups go with the process group
     if dist.is_initialized():
         dist.destroy_process_group()
 
