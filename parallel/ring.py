@@ -71,36 +71,61 @@ def _exchange(chunk: torch.Tensor, me: int, cp: int, group) -> tuple[list, torch
     return [recv, send], incoming
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
-                   positions: list[torch.Tensor], seqs: list[torch.Tensor],
-                   kv_head_of_q: torch.Tensor, scale: float, me: int, group) -> torch.Tensor:
+def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                    kv_head_of_q: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of q over k/v, all visible or square-causal; both non-empty. On the CPU the
+    fused flash kernel returns the log-sum-exp itself; elsewhere the plain form runs."""
+    if q.device.type != "cpu":
+        mask = None
+        if causal:
+            mask = torch.ones(len(q), len(k), dtype=torch.bool, device=q.device).tril()
+        return partial_attention(q, k, v, mask, kv_head_of_q, scale)
+    heads = lambda x: x.index_select(1, kv_head_of_q)  # noqa: E731
+    qt, kt, vt = (x.transpose(0, 1).unsqueeze(0) for x in (q, heads(k), heads(v)))
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        qt, kt, vt, 0.0, causal, scale=scale)
+    return out[0].transpose(0, 1).float(), lse[0].transpose(0, 1)
+
+
+# one rank's piece of one prompt: (prompt number, first position, end position, first row)
+Segment = tuple[int, int, int, int]
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   segments: list[list[Segment]], kv_head_of_q: torch.Tensor, scale: float,
+                   me: int, group) -> torch.Tensor:
     """Causal attention of this rank's prompt queries over every rank's prompt keys.
 
-    positions[r], seqs[r]: the position and prompt number of each of rank r's rows (every rank
-    knows them all from the batch); a query sees the keys of its own prompt up to its position.
-    cp steps: at step s the chunk in hand is rank (me - s)'s; it is forwarded while attended."""
-    cp = len(positions)
-    width = max(len(p) for p in positions)
+    segments[r]: the chunks rank r holds (every rank knows them all from the batch). Chunks of
+    one prompt share boundaries, so a key chunk either precedes a query chunk (all visible), is
+    it (causal), or follows it (skipped: no masked work at all). cp steps: at step s the chunk
+    in hand is rank (me - s)'s, already on its way to the next rank while it is attended."""
+    cp = len(segments)
+    width = max(sum(b - a for _, a, b, _ in segs) for segs in segments)
     chunk = torch.zeros((2, width, *k.shape[1:]), dtype=k.dtype, device=k.device)
     chunk[0, :len(k)], chunk[1, :len(v)] = k, v
-    q_seq = seqs[me]
-    acc = None
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    lse = torch.full(q.shape[:2], float("-inf"), device=q.device)
     for step in range(cp):
         src = (me - step) % cp
         pending = None
         if step + 1 < cp:  # the next chunk travels while this one is attended
-            start = time.perf_counter()
+            begin = time.perf_counter()
             pending, incoming = _exchange(chunk, me, cp, group)
-            comm.CLOCK.busy_seconds += time.perf_counter() - start
-        n = len(positions[src])
-        mask = (q_seq.unsqueeze(1) == seqs[src].unsqueeze(0)) & \
-               (positions[src].unsqueeze(0) <= q_pos.unsqueeze(1))
-        acc = _merge_into(acc, *partial_attention(q, chunk[0, :n], chunk[1, :n], mask,
-                                                  kv_head_of_q, scale))
+            comm.CLOCK.busy_seconds += time.perf_counter() - begin
+        for prompt, qa, qb, qrow in segments[me]:
+            rows = slice(qrow, qrow + qb - qa)
+            for other, ka, kb, krow in segments[src]:
+                if other != prompt or ka >= qb or qa == qb or ka == kb:
+                    continue
+                o, s = block_attention(q[rows], chunk[0, krow:krow + kb - ka],
+                                       chunk[1, krow:krow + kb - ka], ka == qa, kv_head_of_q,
+                                       scale)
+                out[rows], lse[rows] = _merge_into((out[rows], lse[rows]), o, s)
         if pending is not None:
-            start = time.perf_counter()
+            begin = time.perf_counter()
             for work in pending:
                 work.wait()
-            comm.CLOCK.add_since(start)  # the wait is exposed; the flight overlapped compute
+            comm.CLOCK.add_since(begin)  # the wait is exposed; the flight overlapped compute
             chunk = incoming
-    return acc[0].to(q.dtype)
+    return out.to(q.dtype)

@@ -19,7 +19,7 @@ import torch
 
 from engine.rank import cp_layout as L
 from parallel import context as cpc
-from parallel.ring import lse_merge, partial_attention, ring_attention
+from parallel.ring import Segment, lse_merge, partial_attention, ring_attention
 
 
 @dataclass(slots=True)
@@ -28,11 +28,10 @@ class CPMetadata:
     slot_mapping: torch.Tensor  # [local rows] this rank's cache slot, -1: kept by another rank
     kv_head_of_q: torch.Tensor
     positions: torch.Tensor  # [local rows]
-    # prompt rows: this rank's local row indices, every rank's count, their positions
+    # prompt rows: this rank's local row indices, every rank's count, every rank's chunks
     prompt_rows: torch.Tensor
     prompt_counts: list[int]
-    prompt_positions: list[torch.Tensor]  # per context rank, positions of its prompt rows
-    prompt_seq: list[torch.Tensor]  # per context rank, which prompt (0..) each row belongs to
+    segments: list[list[Segment]]
     # decode rows: (local row, block table, positions this rank holds after the store)
     decodes: list[tuple[int, list[int], int]] = field(default_factory=list)
     num_rows: int = 0
@@ -46,19 +45,18 @@ class LocalStep:
     providers: list[tuple[int, int]]  # per batch logits index: (context rank, its n-th row)
 
 
-def _rank_prompt_rows(batch, cp: int, c: int):
-    """Batch rows, positions and prompt numbers of the prompt tokens context rank c computes."""
-    rows, positions, seqs, number = [], [], [], 0
+def _rank_prompt_rows(batch, cp: int, c: int) -> tuple[list[int], list[Segment]]:
+    """Batch rows of the prompt tokens context rank c computes, and its chunks as segments."""
+    rows, segments, number = [], [], 0
     for i, kv_len in enumerate(batch.context_lens):
         s, e = batch.cu_seqlens_q[i], batch.cu_seqlens_q[i + 1]
         if e - s != kv_len:
             continue
         for a, b in L.prompt_chunks(kv_len, cp, c):
+            segments.append((number, a, b, len(rows)))
             rows += range(s + a, s + b)
-            positions += range(a, b)
-            seqs += [number] * (b - a)
         number += 1
-    return rows, positions, seqs
+    return rows, segments
 
 
 def build_local_step(batch, groups: cpc.Groups, prompt_lens: dict[int, int],
@@ -105,8 +103,7 @@ def build_local_step(batch, groups: cpc.Groups, prompt_lens: dict[int, int],
     as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
     meta = CPMetadata(groups, as_tensor(slots), kv_head_of_q, as_tensor(positions),
                       as_tensor(prompt_local), [len(p[0]) for p in per_rank],
-                      [as_tensor(p[1]) for p in per_rank], [as_tensor(p[2]) for p in per_rank],
-                      decodes, len(rows))
+                      [p[1] for p in per_rank], decodes, len(rows))
     return LocalStep(meta, rows, logits_rows, providers)
 
 
@@ -130,8 +127,7 @@ def cp_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     g = meta.groups
     if sum(meta.prompt_counts):  # every rank takes part, with or without rows of its own
         rows = meta.prompt_rows
-        out[rows] = ring_attention(q[rows], k[rows], v[rows], meta.positions[rows],
-                                   meta.prompt_positions, meta.prompt_seq, meta.kv_head_of_q,
+        out[rows] = ring_attention(q[rows], k[rows], v[rows], meta.segments, meta.kv_head_of_q,
                                    scale, g.cp_rank, g.cp_group)
     if meta.decodes:
         partial, lse = [], []
