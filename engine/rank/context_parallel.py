@@ -34,7 +34,6 @@ class CPMetadata:
     segments: list[list[Segment]]
     # decode rows: (local row, block table, positions this rank holds after the store)
     decodes: list[tuple[int, list[int], int]] = field(default_factory=list)
-    num_rows: int = 0
 
 
 @dataclass(slots=True)
@@ -103,7 +102,7 @@ def build_local_step(batch, groups: cpc.Groups, prompt_lens: dict[int, int],
     as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
     meta = CPMetadata(groups, as_tensor(slots), kv_head_of_q, as_tensor(positions),
                       as_tensor(prompt_local), [len(p[0]) for p in per_rank],
-                      [p[1] for p in per_rank], decodes, len(rows))
+                      [p[1] for p in per_rank], decodes)
     return LocalStep(meta, rows, logits_rows, providers)
 
 
