@@ -146,3 +146,20 @@ def test_rank_stuck_mid_ring_fails_the_step_within_its_timeout(ray_cluster, sing
             assert time.monotonic() - start < 5 + 3  # the bound, plus the teardown
         finally:
             os.kill(victim, signal.SIGCONT)
+
+
+def test_a_prompt_that_does_not_fit_waits_whole(ray_cluster, tiny_model_dir):
+    """A 64-token step budget and prompts of 45 and 40 tokens: the plain scheduler would chunk
+    one; with cp > 1 it waits for the next step and runs whole, same tokens as one rank."""
+    path = str(tiny_model_dir("uneven"))
+    prompts = [_ids(45, 301, seed=8), _ids(40, 301, seed=9)]
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    settings = dict(max_model_len=64, max_num_batched_tokens=64, **CP_ONLY)
+    with LLM(path, **settings) as llm:
+        expected = [g.token_ids for g in llm.generate(prompts, params)]
+    with LLM(path, cp=2, **settings) as llm:
+        assert [g.token_ids for g in llm.generate(prompts, params)] == expected
+        first, second = llm.step_timings()[:2]
+    # shortest first: the 40 runs, the 45 does not fit beside it and waits, then runs whole
+    assert (first.num_tokens, first.num_seqs) == (40, 1)
+    assert (second.num_tokens, second.num_seqs) == (1 + 45, 2)
