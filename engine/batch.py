@@ -63,3 +63,4 @@ class StepResult:
     nonfinite_rows: list[int] = field(default_factory=list)  # logits rows holding NaN or Inf
     row_errors: dict[int, str] = field(default_factory=dict)  # rows whose sampling raised
     score: object = None  # parallel.logprobs.LogprobRows for batch.score_indices, if any
+    comm_total_s: float = 0.0  # collectives in flight, start to finish (>= collective_s)

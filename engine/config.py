@@ -28,6 +28,8 @@ class EngineConfig:
     ray_address: str | None = None  # None: $RAY_ADDRESS, else a local cluster
     socket_ifname: str | None = None  # network interface for gloo/NCCL between nodes
     cpus_per_rank: float = 1.0  # Ray logical CPUs one rank actor asks for (fractions share cores)
+    overlap_comm: bool = False  # two micro-batches a step: one's all-reduce behind the other
+    cp: int = 1  # context-parallel ranks per replica: a replica is tp x cp rank actors
     # engine.*
     device: str = "cpu"
     dtype: str | None = None  # None: float32 on CPU, bfloat16 on CUDA
@@ -65,14 +67,14 @@ class EngineConfig:
             self.model = os.fspath(self.model)
         _require(isinstance(self.model, str) and self.model != "",
                  f"model={self.model!r}: name an alias, an HF-style directory or a .gguf file")
-        for name in ("tp", "dp", "block_size", "max_num_batched_tokens", "max_num_seqs"):
+        for name in ("tp", "dp", "cp", "block_size", "max_num_batched_tokens", "max_num_seqs"):
             _positive_int(name, getattr(self, name))
         for name in ("max_model_len", "num_threads"):
             if getattr(self, name) is not None:
                 _positive_int(name, getattr(self, name), "None (the default) or ")
         for name in ("init_timeout_s", "step_timeout_s", "collective_timeout_s"):
             _positive_number(name, getattr(self, name), "seconds")
-        for name in ("retry_on_rank_failure", "enable_prefix_caching"):
+        for name in ("retry_on_rank_failure", "enable_prefix_caching", "overlap_comm"):
             _require(isinstance(getattr(self, name), bool),
                      f"{name}={getattr(self, name)!r}: use True or False")
         _require(self.compile is None or isinstance(self.compile, bool),
@@ -92,6 +94,20 @@ class EngineConfig:
             _positive_number(name, getattr(self, name), unit)
         _require(self.attention_backend in ("auto", "torch", "triton"),
                  f"attention_backend={self.attention_backend!r}: use 'auto', 'torch' or 'triton'")
+        if self.cp > 1:
+            _check_context_parallel(self)
+
+
+def _check_context_parallel(cfg: EngineConfig) -> None:
+    """What cp > 1 does not support yet is refused here, by name, rather than run wrong."""
+    _require(not cfg.enable_prefix_caching,
+             f"enable_prefix_caching=True with cp={cfg.cp}: a cached prefix would be split over "
+             f"the context ranks differently from the new prompt; set enable_prefix_caching=False")
+    _require(not cfg.overlap_comm,
+             f"overlap_comm=True with cp={cfg.cp}: not supported together; set one of them off")
+    _require(cfg.compile is not True,
+             f"compile=True with cp={cfg.cp}: context-parallel attention runs eagerly; set "
+             f"compile=False")
 
 
 def _require(ok: bool, message: str) -> None:

@@ -69,6 +69,8 @@ class LLM:
         and the last position's logits. With `export_kv`, each output's `.kv` is a KVHandle for
         another engine's `decode()`; its blocks stay pinned here until it is decoded, released
         (`release(kv)`) or `kv_handle_ttl_s` passes."""
+        if export_kv:
+            self._refuse_with_cp("prefill(export_kv=True)")
         first = dataclasses.replace(check_params(params), max_tokens=1)
         seqs = self._sequences(prompts, first, keep_first_logits=True)
         for s in seqs:
@@ -89,6 +91,7 @@ class LLM:
         """Continue requests another engine prefilled (any TP size): pull each handle's K/V,
         re-partitioned for this engine's heads, then decode. Tokens start with the prefill's
         first token, as `generate` on one engine gives them (pass the prefill the same params)."""
+        self._refuse_with_cp("decode()")
         params, handles = check_params(params), list(handles)
         self._exports.sync()
         if any(self._exports.owns(h) and h.ranks[0].actor is not None for h in handles):
@@ -138,6 +141,7 @@ class LLM:
         """Log-probability of every prompt token after the first, perplexity, and optionally the
         `top_logprobs` likeliest tokens at each position. Prompts need at least 2 tokens. A
         scored prompt is computed whole even when its prefix is cached."""
+        self._refuse_with_cp("score()")
         k = scoring.check_top_logprobs(top_logprobs, self.model_config.vocab_size)
         seqs = self._sequences(prompts, SamplingParams(max_tokens=1))
         scoring.check_scorable([s.prompt_token_ids for s in seqs])
@@ -232,6 +236,11 @@ class LLM:
         self.shutdown()
 
     # ---- internals ---------------------------------------------------------------------------
+
+    def _refuse_with_cp(self, what: str) -> None:
+        if self.plan.cp > 1:  # each rank holds a slice of positions: neither path reads those
+            raise InvalidRequestError(f"{what} is not supported with cp={self.plan.cp} yet; use "
+                                      f"an engine with cp=1 (tp may be any size)")
 
     def _replica(self, index: int) -> Replica:
         if not self._core.replicas:

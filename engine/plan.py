@@ -49,6 +49,8 @@ class EnginePlan:
     heads: list[HeadPartition]
     ffn: list[Range]
     vocab: list[Range]
+    overlap_comm: bool = False  # split each multi-token step in two, all-reduces overlapped
+    cp: int = 1  # context-parallel ranks; a replica is world_size (TP) x cp rank actors
 
     @property
     def on_cuda(self) -> bool:
@@ -120,11 +122,19 @@ def make_plan(cfg: EngineConfig, source: str, mc: ModelConfig) -> EnginePlan:
     if max_model_len > mc.max_position_embeddings:
         raise ConfigError(f"max_model_len={cfg.max_model_len} exceeds the model's context of "
                           f"{mc.max_position_embeddings} tokens; use at most that")
+    if cfg.cp > 1 and cfg.max_num_batched_tokens < max_model_len:
+        raise ConfigError(
+            f"max_num_batched_tokens={cfg.max_num_batched_tokens} with cp={cfg.cp}: context "
+            f"parallelism prefills whole prompts only (no chunked prefill), so a step must hold "
+            f"the longest prompt; raise it to max_model_len={max_model_len} or lower max_model_len")
     num_blocks = _num_blocks(cfg, mc, heads, max_model_len)
     return EnginePlan(source, mc, cfg.tp, cfg.device, cfg.torch_dtype, backend, max_model_len,
                       cfg.block_size, num_blocks, cfg.num_threads,
-                      cfg.device != "cpu" if cfg.compile is None else cfg.compile, heads,
-                      even_ranges(mc.intermediate_size, cfg.tp), even_ranges(mc.vocab_size, cfg.tp))
+                      # cp > 1 runs eagerly (compile=True is refused with it)
+                      cfg.device != "cpu" and cfg.cp == 1 if cfg.compile is None else cfg.compile,
+                      heads,
+                      even_ranges(mc.intermediate_size, cfg.tp), even_ranges(mc.vocab_size, cfg.tp),
+                      overlap_comm=cfg.overlap_comm, cp=cfg.cp)
 
 
 def _num_blocks(cfg: EngineConfig, mc: ModelConfig, heads: list[HeadPartition],

@@ -47,13 +47,22 @@ def init_process_group(master_addr: str, master_port: int, rank: int, world_size
 class CollectiveClock:
     """Host seconds spent inside collectives in this process, only ever growing: a caller reads
     it before and after a step and takes the difference (exact on CPU; on CUDA it counts only
-    the launch unless the caller synchronizes)."""
+    the launch unless the caller synchronizes).
+
+    `seconds` is the *exposed* time: the rank blocked, waiting on a collective. `busy_seconds`
+    is the *total* time collectives were in flight, start to finish, whether or not the rank
+    computed meanwhile. A blocking collective adds the same to both; an overlapped one
+    (`all_reduce_async`) adds its whole flight to `busy_seconds` and only the wait to `seconds`.
+    """
 
     def __init__(self) -> None:
         self.seconds = 0.0
+        self.busy_seconds = 0.0
 
     def add_since(self, start: float) -> None:
-        self.seconds += time.perf_counter() - start
+        spent = time.perf_counter() - start
+        self.seconds += spent
+        self.busy_seconds += spent
 
 
 CLOCK = CollectiveClock()  # one per process, i.e. one per rank
@@ -64,21 +73,69 @@ def is_cuda(device: str | torch.device) -> bool:
     return str(device).startswith("cuda")
 
 
+# The tensor-parallel sub-group of this rank when a replica also splits by context (cp > 1);
+# None: the whole process group is the tensor-parallel group. Every collective below uses it.
+_TP_GROUP = None
+
+
+def set_tensor_group(group) -> None:
+    """Make `group` (from dist.new_group) the one the layers' collectives run over."""
+    global _TP_GROUP
+    _TP_GROUP = group
+
+
 def world_size() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
+    """Ranks in this rank's tensor-parallel group."""
+    return dist.get_world_size(_TP_GROUP) if dist.is_initialized() else 1
 
 
 def rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
+    """This rank's index in its tensor-parallel group."""
+    return dist.get_rank(_TP_GROUP) if dist.is_initialized() else 0
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum over ranks, in place. A no-op for a world of one."""
     if world_size() > 1:
         start = time.perf_counter()
-        dist.all_reduce(x)
+        dist.all_reduce(x, group=_TP_GROUP)
         CLOCK.add_since(start)
     return x
+
+
+class PendingAllReduce:
+    """An all-reduce in flight; `wait()` returns the summed tensor (the same storage)."""
+
+    def __init__(self, x: torch.Tensor, work, start: float):
+        self.x, self._work, self._start = x, work, start
+        self._done_at: float | None = None
+        if work is not None:
+            # the completion time, taken on the communication thread, measures the flight
+            work.get_future().then(self._mark_done)
+
+    def _mark_done(self, _future) -> None:
+        self._done_at = time.perf_counter()
+
+    def wait(self) -> torch.Tensor:
+        if self._work is None:
+            return self.x
+        before = time.perf_counter()
+        self._work.wait()
+        after = time.perf_counter()
+        CLOCK.seconds += after - before
+        # the callback may not have run yet when wait() returns: then "now" bounds it
+        CLOCK.busy_seconds += (self._done_at or after) - self._start
+        self._work = None
+        return self.x
+
+
+def all_reduce_async(x: torch.Tensor) -> PendingAllReduce:
+    """Start a sum over ranks in place and return at once (gloo runs it on its own threads,
+    NCCL on its own stream); the caller computes something else, then `wait()`s."""
+    if world_size() == 1:
+        return PendingAllReduce(x, None, 0.0)
+    start = time.perf_counter()
+    return PendingAllReduce(x, dist.all_reduce(x, group=_TP_GROUP, async_op=True), start)
 
 
 def gather_last_dim(x: torch.Tensor, sizes: list[int]) -> torch.Tensor | None:
@@ -93,7 +150,7 @@ def gather_last_dim(x: torch.Tensor, sizes: list[int]) -> torch.Tensor | None:
     padded = torch.nn.functional.pad(x, (0, width - x.shape[-1])).contiguous()
     parts = [torch.empty_like(padded) for _ in sizes] if rank() == 0 else None
     start = time.perf_counter()
-    dist.gather(padded, parts, dst=0)
+    dist.gather(padded, parts, group=_TP_GROUP, group_dst=0)
     CLOCK.add_since(start)
     if rank() != 0:
         return None
@@ -101,6 +158,7 @@ def gather_last_dim(x: torch.Tensor, sizes: list[int]) -> torch.Tensor | None:
 
 
 def destroy() -> None:
+    set_tensor_group(None)  # its sub-groups go with the process group
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -102,7 +102,7 @@ class RayExecutor(Executor):
         from parallel.rank_group import GroupOptions, RankGroup
 
         ifname = cfg.socket_ifname
-        options = GroupOptions(world_size=cfg.tp, device=cfg.device,
+        options = GroupOptions(world_size=cfg.tp * cfg.cp, device=cfg.device,
                                init_timeout_s=cfg.init_timeout_s, step_timeout_s=cfg.step_timeout_s,
                                collective_timeout_s=cfg.collective_timeout_s,
                                env={"GLOO_SOCKET_IFNAME": ifname, "NCCL_SOCKET_IFNAME": ifname}
@@ -128,15 +128,16 @@ class RayExecutor(Executor):
 
 def make_executors(plan: EnginePlan, cfg: EngineConfig, checkpoint: Checkpoint) -> list[Executor]:
     """One executor per data-parallel replica."""
-    if cfg.tp == 1 and cfg.dp == 1 and cfg.executor == "auto":
+    if cfg.tp == 1 and cfg.cp == 1 and cfg.dp == 1 and cfg.executor == "auto":
         return [InProcessExecutor(plan, checkpoint)]
     from parallel import cluster
 
     cluster.connect(cfg.ray_address)
     try:
-        nodes = cluster.plan_replicas(cfg.dp, cfg.tp, cfg.device, cfg.cpus_per_rank)
+        nodes = cluster.plan_replicas(cfg.dp, cfg.tp * cfg.cp, cfg.device, cfg.cpus_per_rank)
     except ValueError as e:
-        raise ConfigError(str(e)) from None
+        ranks = f"cp={cfg.cp} x tp={cfg.tp} = {cfg.tp * cfg.cp} ranks per replica: "
+        raise ConfigError(f"{ranks if cfg.cp > 1 else ''}{e}") from None
     executors: list[Executor] = []
     try:
         for node in nodes:

@@ -12,6 +12,7 @@ from engine.config import EngineConfig
 from engine.driver.block_manager import BlockManager
 from engine.driver.executor import Executor
 from engine.driver.scheduler import Scheduler
+from engine.driver.whole_prompts import WholePromptScheduler
 from engine.driver.sequence import Sequence
 from engine.plan import EnginePlan
 
@@ -27,6 +28,12 @@ class StepTiming:
     sample_s: float = 0.0  # rank 0 choosing the next tokens
     num_tokens: int = 0  # tokens the step ran through the model
     num_seqs: int = 0
+    comm_total_s: float = 0.0  # rank 0's collectives in flight, start to finish, overlapped or not
+
+    @property
+    def comm_exposed_s(self) -> float:
+        """Rank 0 blocked on a collective: the communication compute did not hide."""
+        return self.collective_s
 
     @property
     def overhead_s(self) -> float:
@@ -56,7 +63,9 @@ class Replica:
         self.rank_info = executor.info()
         self.block_manager = BlockManager(plan.num_blocks, plan.block_size,
                                           cfg.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, cfg.max_num_batched_tokens,
+        # cp > 1: prompts are split over context ranks on arrival, so they run whole
+        scheduler = WholePromptScheduler if plan.cp > 1 else Scheduler
+        self.scheduler = scheduler(self.block_manager, cfg.max_num_batched_tokens,
                                    cfg.max_num_seqs, plan.max_model_len, plan.model.eos_token_ids)
         self.steps: list[StepTiming] = []
 
@@ -84,7 +93,7 @@ class Replica:
                                               result.score)
         self.steps.append(StepTiming(time.perf_counter() - step.started, step.schedule_s,
                                      result.forward_s, result.collective_s, result.sample_s,
-                                     step.num_tokens, len(step.scheduled)))
+                                     step.num_tokens, len(step.scheduled), result.comm_total_s))
         return finished
 
     def abort_all(self) -> list[Sequence]:

@@ -13,6 +13,7 @@ from engine.loading.model_config import ModelConfig
 from engine.plan import ShardPlan
 from engine.rank.attention import KVStore, PagedAttention, StepContext
 from engine.rank.backend import TORCH, Backend
+from engine.rank.overlap import SplitContext, run_layers_split
 from engine.rank.rope import RotaryEmbedding
 from parallel.layers import (ColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
                              RowParallelLinear, TensorReader, VocabParallelEmbedding,
@@ -55,10 +56,14 @@ class Attention(nn.Module):
         self.o_proj = RowParallelLinear(range_times(shard.heads.q_heads, hd), cfg.hidden_size)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        return self.o_proj(self.attend(positions, x, ctx))
+
+    def attend(self, positions: torch.Tensor, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """Everything before o_proj (and its all-reduce): [T, local q heads * head_dim]."""
         q, k, v = (t.view(len(x), -1, self.head_dim) for t in self.qkv_proj.split(self.qkv_proj(x)))
         q, k = self.rotary_emb(positions, q, k)
         self.kv_store(k, v, ctx)
-        return self.o_proj(self.attn(q, k, v, ctx).flatten(1))
+        return self.attn(q, k, v, ctx).flatten(1)
 
     def load(self, read: TensorReader, prefix: str) -> None:
         self.qkv_proj.load(read, [f"{prefix}.q_proj", f"{prefix}.k_proj", f"{prefix}.v_proj"])
@@ -127,6 +132,8 @@ class CausalLM(nn.Module):
                       ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
         """Every row's last-layer output and residual [T, d], before the final norm (scoring
         reads them all; sampling only a few)."""
+        if isinstance(ctx, SplitContext):  # overlap_comm: two micro-batches, interleaved
+            return run_layers_split(self, token_ids, positions, ctx)
         x, residual = self.embed_tokens(token_ids), None
         for layer in self.layers:
             x, residual = layer(positions, x, residual, ctx)

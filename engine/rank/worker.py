@@ -21,9 +21,12 @@ from engine.rank.compiled import CompiledLayers, warm_up
 from engine.rank.kernels.step_metadata import build_step_metadata
 from engine.rank.kv_cache import KVCache
 from engine.rank.model import CausalLM
+from engine.rank.cp_runner import ContextParallelRunner, context_parallel_backend
+from engine.rank.overlap import make_split_context
 from engine.rank.sampler import sample
 from engine.rank.scoring import score_batch
 from parallel import comm
+from parallel.context import make_groups
 
 
 class Sampler(nn.Module):
@@ -36,16 +39,20 @@ class Sampler(nn.Module):
 class Worker:
     def __init__(self, plan: EnginePlan, rank: int = 0, world_size: int = 1,
                  checkpoint: Checkpoint | None = None):
-        assert world_size == plan.world_size, (world_size, plan.world_size)
+        assert world_size == plan.world_size * plan.cp, (world_size, plan.world_size, plan.cp)
         if plan.num_threads:
             torch.set_num_threads(plan.num_threads)
         self.plan, self.rank = plan, rank
         self.device = torch.device(plan.device)
         if plan.on_cuda:  # a Ray actor sees its own GPU as device 0
             torch.cuda.set_device(self.device)
-        self.shard = shard = plan.shard(rank)
-        self.model = CausalLM(plan.model, shard, plan.max_model_len,
-                              select_backend(plan.backend, plan.device))
+        self.shard = shard = plan.shard(rank % plan.world_size)  # rank in its TP group
+        backend = select_backend(plan.backend, plan.device)
+        # cp > 1: TP/CP sub-groups, and the split-by-position KV store and attention
+        groups = make_groups(plan.world_size, plan.cp) if plan.cp > 1 else None
+        if groups is not None:
+            backend = context_parallel_backend(backend)
+        self.model = CausalLM(plan.model, shard, plan.max_model_len, backend)
         # parameters go to their device and dtype before loading, so each checkpoint slice is
         # cast once on its way in; the rotary tables (buffers) stay float32
         for p in self.model.parameters():
@@ -58,6 +65,7 @@ class Worker:
         group = len(mapping) // shard.heads.num_kv_heads
         self.uniform_groups = mapping == [h // group for h in range(len(mapping))]
         self.sampler = Sampler()
+        self.context = ContextParallelRunner(self, groups) if groups is not None else None
         self._tracer: OpTracer | None = None
         self.compiled: CompiledLayers | None = None
         self.warmup_s = 0.0
@@ -104,14 +112,19 @@ class Worker:
                         self.compiled is not None and self.compiled.usable, self.warmup_s)
 
     def execute(self, batch: Batch) -> StepResult | None:
+        if self.context is not None:
+            return self.context.execute(batch)
         dev, start, collective_before = self.device, time.perf_counter(), comm.CLOCK.seconds
         # the step's metadata goes to the device once, in one copy, and every layer reads it
-        meta = build_step_metadata(batch.cu_seqlens_q, batch.context_lens, batch.block_tables,
-                                   batch.slot_mapping, self.kv_head_of_q, dev,
-                                   uniform_groups=self.uniform_groups)
+        if self.plan.overlap_comm and self.plan.world_size > 1 and batch.num_tokens >= 2:
+            ctx = make_split_context(batch, self.cache, self.kv_head_of_q, dev, self.uniform_groups)
+        else:
+            ctx = StepContext(self.cache, build_step_metadata(
+                batch.cu_seqlens_q, batch.context_lens, batch.block_tables, batch.slot_mapping,
+                self.kv_head_of_q, dev, uniform_groups=self.uniform_groups))
+        busy_before = comm.CLOCK.busy_seconds
         x, residual = self.model.hidden_states(torch.tensor(batch.token_ids, device=dev),
-                                               torch.tensor(batch.positions, device=dev),
-                                               StepContext(self.cache, meta))
+                                               torch.tensor(batch.positions, device=dev), ctx)
         logits = self.model.logits(x, residual, torch.tensor(batch.logits_indices, device=dev,
                                                              dtype=torch.long))
         score = score_batch(self.model, x, residual, batch)  # None unless the batch scores rows
@@ -122,6 +135,7 @@ class Worker:
         forward_s = time.perf_counter() - start
         result = StepResult([], None, forward_s, comm.CLOCK.seconds - collective_before,
                             score=score)
+        result.comm_total_s = comm.CLOCK.busy_seconds - busy_before
         if logits is not None:  # None: every sequence is mid-prompt, nothing to sample
             self._sample(logits.cpu(), batch, result)
         return result
@@ -174,6 +188,8 @@ class Worker:
 
     def read_kv(self, layer: int, block_table: list[int], length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's K/V of one sequence ([length, local kv heads, d]), for inspection."""
+        if self.context is not None:  # cp > 1: the positions this rank holds, in order
+            return self.context.read_kv(layer, block_table, length)
         k, v = self.cache.gather(layer, block_table, length)
         return k.cpu(), v.cpu()
 
