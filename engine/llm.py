@@ -14,7 +14,7 @@ from typing import AsyncIterator, Iterator, Sequence as Seq
 
 from engine.config import EngineConfig
 from engine.driver import scoring
-from engine.driver.engine_core import EngineCore
+from engine.driver.engine_core import SHUT_DOWN, EngineCore
 from engine.driver.executor import make_executors
 from engine.driver.outputs import GenerateOutput, PrefillOutput, ScoreOutput
 from engine.driver.prompts import Prompt, PromptLimits, as_prompt_list, prompt_token_ids
@@ -244,7 +244,7 @@ class LLM:
 
     def _replica(self, index: int) -> Replica:
         if not self._core.replicas:
-            raise InvalidRequestError("this LLM was shut down; call restart() or create a new one")
+            raise InvalidRequestError(SHUT_DOWN)
         return self._core.replicas[index]
 
     def _text(self, ids: list[int]) -> str:

@@ -19,6 +19,7 @@ from engine.errors import EngineError, InvalidRequestError, NumericalError, Rank
 
 log = logging.getLogger("engine")
 T = TypeVar("T")
+SHUT_DOWN = "this LLM was shut down; call restart() or create a new one"
 
 
 class EngineCore:
@@ -42,7 +43,7 @@ class EngineCore:
     def submit(self, seqs: list[Sequence]) -> None:
         with self._wake:
             if self._stopping or self._thread is None:
-                raise InvalidRequestError("this LLM was shut down; call restart() or create a new one")
+                raise InvalidRequestError(SHUT_DOWN)
             if self._failure is not None:
                 raise RankFailure(f"{self._failure}; call restart() or create a new LLM")
             self._inbox.extend(seqs)
@@ -61,7 +62,7 @@ class EngineCore:
         done: Future = Future()
         with self._wake:
             if self._thread is None:
-                raise InvalidRequestError("this LLM was shut down; call restart() or create a new one")
+                raise InvalidRequestError(SHUT_DOWN)
             self._calls.append((fn, done))
             self._wake.notify()
         return done.result()

@@ -3,7 +3,6 @@ logits rows from every context rank gathered to rank 0, which samples for the re
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import torch
 
@@ -12,7 +11,6 @@ from engine.rank import cp_layout as L
 from engine.rank.attention import StepContext
 from engine.rank.backend import Backend
 from engine.rank.context_parallel import build_local_step, cp_attention, cp_kv_store
-from parallel import comm
 from parallel import context as cpc
 
 
@@ -30,7 +28,7 @@ class ContextParallelRunner:
 
     def execute(self, batch: Batch) -> StepResult | None:
         w, g = self.worker, self.groups
-        start, exposed, busy = time.perf_counter(), comm.CLOCK.seconds, comm.CLOCK.busy_seconds
+        started = w.step_clocks()
         step = build_local_step(batch, g, self.prompt_lens, self.kv_head_of_q,
                                 w.plan.block_size, w.device)
         ids = torch.tensor([batch.token_ids[r] if r >= 0 else 0 for r in step.rows],
@@ -40,13 +38,8 @@ class ContextParallelRunner:
         gathered = None
         if batch.logits_indices and g.tp_rank == 0:  # each TP group's rank 0 holds its logits
             gathered = self._gather_logits(logits, step.providers)
-        if w.plan.on_cuda:
-            torch.cuda.synchronize(w.device)
-        if w.rank != 0:
-            return None
-        result = StepResult([], None, time.perf_counter() - start, comm.CLOCK.seconds - exposed)
-        result.comm_total_s = comm.CLOCK.busy_seconds - busy
-        if gathered is not None:
+        result = w.step_result(started)
+        if result is not None and gathered is not None:
             w._sample(gathered.cpu(), batch, result)
         return result
 

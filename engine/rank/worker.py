@@ -114,7 +114,7 @@ class Worker:
     def execute(self, batch: Batch) -> StepResult | None:
         if self.context is not None:
             return self.context.execute(batch)
-        dev, start, collective_before = self.device, time.perf_counter(), comm.CLOCK.seconds
+        dev, started = self.device, self.step_clocks()
         # the step's metadata goes to the device once, in one copy, and every layer reads it
         if self.plan.overlap_comm and self.plan.world_size > 1 and batch.num_tokens >= 2:
             ctx = make_split_context(batch, self.cache, self.kv_head_of_q, dev, self.uniform_groups)
@@ -122,22 +122,35 @@ class Worker:
             ctx = StepContext(self.cache, build_step_metadata(
                 batch.cu_seqlens_q, batch.context_lens, batch.block_tables, batch.slot_mapping,
                 self.kv_head_of_q, dev, uniform_groups=self.uniform_groups))
-        busy_before = comm.CLOCK.busy_seconds
         x, residual = self.model.hidden_states(torch.tensor(batch.token_ids, device=dev),
                                                torch.tensor(batch.positions, device=dev), ctx)
         logits = self.model.logits(x, residual, torch.tensor(batch.logits_indices, device=dev,
                                                              dtype=torch.long))
         score = score_batch(self.model, x, residual, batch)  # None unless the batch scores rows
-        if self.plan.on_cuda:  # the timers below read host time: let the device catch up first
-            torch.cuda.synchronize(dev)
-        if self.rank != 0:
+        result = self.step_result(started, score)
+        if result is None:
             return None
-        forward_s = time.perf_counter() - start
-        result = StepResult([], None, forward_s, comm.CLOCK.seconds - collective_before,
-                            score=score)
-        result.comm_total_s = comm.CLOCK.busy_seconds - busy_before
         if logits is not None:  # None: every sequence is mid-prompt, nothing to sample
             self._sample(logits.cpu(), batch, result)
+        return result
+
+    @staticmethod
+    def step_clocks() -> tuple[float, float, float]:
+        """Host time, exposed and total collective seconds now: a step's starting marks."""
+        return time.perf_counter(), comm.CLOCK.seconds, comm.CLOCK.busy_seconds
+
+    def step_result(self, started: tuple[float, float, float],
+                    score=None) -> StepResult | None:
+        """Rank 0's result for a step begun at `started` (from `step_clocks`): the forward's time
+        and its exposed and total collective time; None on the other ranks."""
+        if self.plan.on_cuda:  # the timers read host time: let the device catch up first
+            torch.cuda.synchronize(self.device)
+        if self.rank != 0:
+            return None
+        start, exposed, busy = started
+        result = StepResult([], None, time.perf_counter() - start, comm.CLOCK.seconds - exposed,
+                            score=score)
+        result.comm_total_s = comm.CLOCK.busy_seconds - busy
         return result
 
     def _sample(self, logits: torch.Tensor, batch: Batch, result: StepResult) -> None:

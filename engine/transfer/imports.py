@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 
-from engine.driver.engine_core import EngineCore
+from engine.driver.engine_core import SHUT_DOWN, EngineCore
 from engine.driver.replica import Replica
 from engine.driver.sampling_params import SamplingParams
 from engine.driver.sequence import Sequence
@@ -76,7 +76,7 @@ def _adopt_all(replicas: list[Replica], handles: list[KVHandle], params: Samplin
                timeout_s: float) -> list[Sequence]:
     """On the loop thread: allocate, pull, register. All or nothing."""
     if not replicas:
-        raise InvalidRequestError("this LLM was shut down; call restart() or create a new one")
+        raise InvalidRequestError(SHUT_DOWN)
     taken: list[tuple[Replica, list[int]]] = []
     try:
         for h in handles:
