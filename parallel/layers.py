@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from parallel import comm
+from parallel.gemm import linear
 from parallel.partition import HeadPartition, Range, range_times
 
 # (name, dim, start, stop) -> that slice of the named checkpoint tensor; dim None reads it whole.
@@ -70,7 +71,7 @@ class ColumnParallelLinear(nn.Module):
             copy_checked(self.bias, torch.cat(parts), f"{names[0]}.bias")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -102,7 +103,7 @@ class RowParallelLinear(nn.Module):
             copy_checked(self.bias, read(f"{name}.bias", None, 0, 0), f"{name}.bias")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.all_reduce(F.linear(x, self.weight))
+        y = self.all_reduce(linear(x, self.weight))
         return y if self.bias is None else y + self.bias
 
 
@@ -149,4 +150,4 @@ class ParallelLMHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden: [n, d] for the positions that need logits only. Returns [n, vocab] on rank 0."""
-        return self.gather(F.linear(hidden, self.weight))
+        return self.gather(linear(hidden, self.weight))

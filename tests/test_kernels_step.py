@@ -37,16 +37,18 @@ def test_step_metadata_layout():
 
 @pytest.fixture
 def host_calls(monkeypatch):
-    """Calls of host->device tensor constructors and device->host reads made from the kernels'
-    own modules (the interpreter's internals are not the kernels' per-layer cost)."""
+    """Calls of host->device tensor constructors and device->host reads made from the rank's
+    own modules (engine/rank/, kernels included); the interpreter's internals are not the
+    layers' per-layer cost."""
     calls = []
-    kernels_dir = os.path.dirname(flash_attention.__file__)
+    rank_dir = os.path.dirname(os.path.dirname(flash_attention.__file__))
 
     def counted(owner, name):
         original = getattr(owner, name)
 
         def wrapper(*args, **kwargs):
-            if os.path.dirname(sys._getframe(1).f_code.co_filename) == kernels_dir:
+            caller = sys._getframe(1).f_code.co_filename
+            if caller.startswith(rank_dir):
                 calls.append(name)
             return original(*args, **kwargs)
         monkeypatch.setattr(owner, name, wrapper)
@@ -58,10 +60,10 @@ def host_calls(monkeypatch):
     return calls
 
 
-def _layers(c, meta, num_layers: int, scale: float) -> list[torch.Tensor]:
+def _layers(c, meta, num_layers: int, scale: float, backend: str = "triton") -> list[torch.Tensor]:
     """What the model does with attention in each layer: store the new K/V, then attend, through
-    the engine's Triton backend."""
-    backend = select_backend("triton", DEVICE)
+    one of the engine's backends."""
+    backend = select_backend(backend, DEVICE)
     outs = []
     for layer in range(num_layers):
         backend.kv_store(c.caches[0], layer, c.k, c.v, meta.slot_mapping)
@@ -69,19 +71,20 @@ def _layers(c, meta, num_layers: int, scale: float) -> list[torch.Tensor]:
     return outs
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])
 @pytest.mark.parametrize("decode", [False, True])
-def test_no_host_tensors_per_layer(host_calls, decode):
+def test_no_host_tensors_per_layer(host_calls, decode, backend):
     q_lens = [1, 1, 1] if decode else [6, 20, 1]
     c = _paged_case(q_lens, [9, 40, 3], [0, 0, 1, 1], 2, 32, torch.float32, 4)
     m, scale, num_layers = c.meta, 32 ** -0.5, 2
     step = build_step_metadata(m.cu_seqlens_q, m.context_lens, m.block_tables,
                                m.slot_mapping.tolist(), m.kv_head_of_q.tolist(), DEVICE)
     host_calls.clear()  # building the step's metadata is the one place they are allowed
-    outs = _layers(c, step, num_layers, scale)
+    outs = _layers(c, step, num_layers, scale, backend)
     assert host_calls == []
     # the old way (an AttentionMetadata per call) rebuilds them in every layer: the count sees it
     old = _layers(c, AttentionMetadata(m.cu_seqlens_q, m.context_lens, m.block_tables,
-                                       m.slot_mapping, m.kv_head_of_q), num_layers, scale)
+                                       m.slot_mapping, m.kv_head_of_q), num_layers, scale, backend)
     assert len(host_calls) >= num_layers
     for layer, (out, out_old) in enumerate(zip(outs, old)):
         ref = torch_attention(layer, c.q, c.k, c.v, c.caches[0], c.meta, scale)

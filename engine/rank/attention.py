@@ -64,6 +64,12 @@ def _causal_mask(q_len: int, kv_len: int, device) -> torch.Tensor:
     return torch.arange(kv_len, device=device).unsqueeze(0) <= q_pos
 
 
+def _block_row(meta, i: int) -> torch.Tensor | list[int]:
+    """Sequence i's block ids: a row of the step's device table when the step built one."""
+    table = getattr(meta, "table", None)  # a StepMetadata has it; a plain AttentionMetadata not
+    return meta.block_tables[i] if table is None else table[i]
+
+
 def torch_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     cache: KVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [T, hq, d], k/v: [T, hkv, d] for the new tokens, already stored in the cache.
@@ -75,7 +81,7 @@ def torch_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         if e - s == kv_len:  # nothing cached before: the new K/V are the whole context
             keys, values = k[s:e], v[s:e]
         else:
-            keys, values = cache.gather(layer, meta.block_tables[i], kv_len)
+            keys, values = cache.gather(layer, _block_row(meta, i), kv_len)
         if not meta.uniform_groups:  # uneven groups on this rank: one KV copy per query head
             keys = keys.index_select(1, meta.kv_head_of_q)
             values = values.index_select(1, meta.kv_head_of_q)

@@ -30,10 +30,14 @@ class KVCache:
         k_cache.view(-1, *k.shape[1:])[slot_mapping] = k
         v_cache.view(-1, *v.shape[1:])[slot_mapping] = v
 
-    def gather(self, i: int, block_table: list[int], length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of the first `length` positions of one sequence, [length, kv_heads, d]."""
+    def gather(self, i: int, block_table: list[int] | torch.Tensor,
+               length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of the first `length` positions of one sequence, [length, kv_heads, d]. The
+        attention of every layer passes the step's device row of block ids (no host work)."""
         k_cache, v_cache = self.layer(i)
-        blocks = torch.tensor(block_table[: -(-length // self.block_size)], device=k_cache.device)
+        blocks = block_table[: -(-length // self.block_size)]
+        if not isinstance(blocks, torch.Tensor):
+            blocks = torch.tensor(blocks, device=k_cache.device)
         k = k_cache[blocks].flatten(0, 1)[:length]
         v = v_cache[blocks].flatten(0, 1)[:length]
         return k, v

@@ -21,11 +21,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from engine.rank.attention import StepContext
 from engine.rank.kernels.step_metadata import build_step_metadata
 from parallel import comm
+from parallel.gemm import linear
 
 Step = tuple[list[int], list[int], list[list[int]], list[int]]  # cu_q, ctx lens, tables, slots
 
@@ -70,9 +70,9 @@ def make_split_context(batch, cache, kv_head_of_q: list[int], device: torch.devi
     return SplitContext(split, contexts)
 
 
-def _start_row_parallel(linear, x: torch.Tensor) -> "_RowParallelInFlight":
+def _start_row_parallel(layer, x: torch.Tensor) -> "_RowParallelInFlight":
     """A RowParallelLinear's local matmul, its all-reduce started, not awaited."""
-    return _RowParallelInFlight(comm.all_reduce_async(F.linear(x, linear.weight)), linear.bias)
+    return _RowParallelInFlight(comm.all_reduce_async(linear(x, layer.weight)), layer.bias)
 
 
 class _RowParallelInFlight:

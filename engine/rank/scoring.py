@@ -4,9 +4,9 @@ log-softmax of parallel/logprobs."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from engine.batch import Batch
+from parallel.gemm import linear
 from parallel.logprobs import LogprobRows, vocab_parallel_logprobs
 
 
@@ -26,7 +26,7 @@ def score_batch(model, hidden: torch.Tensor, residual: torch.Tensor,
     weight = model.lm_head.weight  # this rank's vocabulary rows
 
     def local_logits(a: int, b: int, c: int, e: int) -> torch.Tensor:
-        return F.linear(x[a:b], weight[c:e])
+        return linear(x[a:b], weight[c:e])
 
     rows = vocab_parallel_logprobs(local_logits, len(idx), targets, model.lm_head.vocab_slice,
                                    batch.score_top_k)

@@ -1,0 +1,61 @@
+"""parallel.gemm.linear: the model's projections through oneDNN on a CPU, checked against a
+float64 matmul, eager and compiled, and the plain torch path where oneDNN cannot run."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from parallel import gemm
+
+
+def _reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+    y = x.double() @ w.double().t()
+    return y if b is None else y + b.double()
+
+
+@pytest.mark.parametrize("rows", [0, 1, 7, 300])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_matches_float64(rows, dtype, tol, with_bias):
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 96, generator=gen).to(dtype)
+    w = torch.randn(80, 96, generator=gen).to(dtype) / 10
+    b = torch.randn(80, generator=gen).to(dtype) if with_bias else None
+    y = gemm.linear(x, w, b)
+    assert y.shape == (rows, 80) and y.dtype == dtype
+    ref = _reference(x, w, b)
+    torch.testing.assert_close(y.double(), ref, rtol=0, atol=tol * max(1.0, float(ref.abs().max()) if ref.numel() else 1.0))
+
+
+def test_strided_input():
+    """A transposed (non-contiguous) input gives the same rows as its contiguous copy."""
+    x = torch.randn(40, 12).t()
+    w = torch.randn(24, 40)
+    torch.testing.assert_close(gemm.linear(x, w), gemm.linear(x.contiguous(), w))
+
+
+def test_compiled_graph_keeps_onednn():
+    """Inside torch.compile the op is opaque (inductor's own oneDNN lowering only takes weights
+    it froze): the compiled function gives the eager numbers."""
+    w, b = torch.randn(48, 32), torch.randn(48)
+
+    def fn(x):
+        return torch.relu(gemm.linear(x, w, b)) * 2
+
+    compiled = torch.compile(fn, dynamic=True)
+    for rows in (1, 5, 9):
+        x = torch.randn(rows, 32)
+        torch.testing.assert_close(compiled(x), fn(x))
+
+
+def test_without_onednn_uses_torch(monkeypatch):
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    x, w = torch.randn(3, 16), torch.randn(8, 16)
+    assert torch.equal(gemm.linear(x, w), F.linear(x, w))
+
+
+def test_float16_falls_back():
+    """oneDNN has no CPU float16 inner product: torch's matmul serves it."""
+    x, w = torch.randn(3, 16, dtype=torch.float16), torch.randn(8, 16, dtype=torch.float16)
+    assert torch.equal(gemm.linear(x, w), F.linear(x, w))
