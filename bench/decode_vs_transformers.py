@@ -1,6 +1,8 @@
 """Decode speed of the engine next to transformers `generate`, same weights, threads and dtype:
 a 256-token prompt, 64 greedy tokens, identical tokens checked; and the rate at which decode
-reads the weights, as a share of this machine's read bandwidth measured in the same run.
+reads the weights, as a share of this machine's read bandwidth measured in the same run. A
+float32 run also times the engine with decode_dtype="bfloat16" (bf16 copies of the weights
+for decode steps) and says from which token on, if any, its tokens differ.
 
     .venv/bin/python -m bench.decode_vs_transformers --repeats 3
 """
@@ -48,24 +50,39 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = ap.parse_args()
     hf = hf_model(str(resolve_model("smollm2")), getattr(torch, args.dtype))
-    llm = LLM("smollm2", dtype=args.dtype, enable_prefix_caching=False)
-    ids = random_ids(args.prompt_len, llm.model_config.vocab_size, seed=1)
-    weight_bytes = sum(i.weight_bytes for i in llm.rank_info())
-    ours = theirs = float("inf")
-    for _ in range(args.repeats):  # alternate, so a slow spell hits both alike
-        s, ours_tokens = engine_decode_s(llm, ids, args.tokens)
-        ours = min(ours, s)
-        s, hf_tokens = hf_decode_s(hf, ids, args.tokens)
-        theirs = min(theirs, s)
-    llm.shutdown()
+    engines = {"engine": LLM("smollm2", dtype=args.dtype, enable_prefix_caching=False)}
+    if args.dtype == "float32":
+        engines["engine, bf16 decode weights"] = LLM("smollm2", enable_prefix_caching=False,
+                                                     decode_dtype="bfloat16")
+    ids = random_ids(args.prompt_len, engines["engine"].model_config.vocab_size, seed=1)
+    weight_bytes = sum(i.weight_bytes for i in engines["engine"].rank_info())
+    best, tokens = {name: float("inf") for name in engines} | {"hf": float("inf")}, {}
+    for _ in range(args.repeats):  # alternate, so a slow spell hits all alike
+        for name, llm in engines.items():
+            s, tokens[name] = engine_decode_s(llm, ids, args.tokens)
+            best[name] = min(best[name], s)
+        s, tokens["hf"] = hf_decode_s(hf, ids, args.tokens)
+        best["hf"] = min(best["hf"], s)
+    for llm in engines.values():
+        llm.shutdown()
     bandwidth = read_bandwidth()
     print(f"{machine()}; SmolLM2 {args.dtype}, {args.prompt_len}-token prompt, {args.tokens} "
           f"greedy tokens, best of {args.repeats}")
-    print(f"engine       {1 / ours:6.1f} tok/s   transformers {1 / theirs:6.1f} tok/s   "
-          f"ratio {theirs / ours:.2f}x   identical tokens: {ours_tokens == hf_tokens}")
-    print(f"weights read per token {weight_bytes / 1e6:.0f} MB: engine {weight_bytes / ours / 1e9:.1f} "
-          f"GB/s = {weight_bytes / ours / bandwidth:.0%} of the {bandwidth / 1e9:.1f} GB/s read "
-          f"bandwidth measured here")
+    print(f"transformers {1 / best['hf']:6.1f} tok/s")
+    for name in engines:
+        read = weight_bytes * (0.5 if "bf16" in name else 1.0)
+        print(f"{name:<28} {1 / best[name]:6.1f} tok/s  ratio {best['hf'] / best[name]:.2f}x  "
+              f"{_agreement(tokens[name], tokens['hf'])}; weights read per token "
+              f"{read / 1e6:.0f} MB at {read / best[name] / 1e9:.1f} GB/s = "
+              f"{read / best[name] / bandwidth:.0%} of the {bandwidth / 1e9:.1f} GB/s read "
+              f"bandwidth measured here")
+
+
+def _agreement(ours: list[int], theirs: list[int]) -> str:
+    if ours == theirs:
+        return "identical tokens"
+    first = next(i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b)
+    return f"tokens differ from token {first} on"
 
 
 if __name__ == "__main__":

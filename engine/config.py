@@ -44,6 +44,9 @@ class EngineConfig:
     num_threads: int | None = None
     compile: bool | None = None  # torch.compile the layers; None: on CUDA only (see BENCHMARKS.md)
     kv_handle_ttl_s: float = 300.0  # an exported KVHandle's blocks are reclaimed after this
+    # "bfloat16": decode steps read bf16 copies of the projection weights (float32 models on a
+    # CPU; +50 % weight memory); None: every step reads the model's own weights
+    decode_dtype: str | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
@@ -94,8 +97,24 @@ class EngineConfig:
             _positive_number(name, getattr(self, name), unit)
         _require(self.attention_backend in ("auto", "torch", "triton"),
                  f"attention_backend={self.attention_backend!r}: use 'auto', 'torch' or 'triton'")
+        if self.decode_dtype is not None:
+            _check_decode_dtype(self)
         if self.cp > 1:
             _check_context_parallel(self)
+
+
+def _check_decode_dtype(cfg: EngineConfig) -> None:
+    _require(cfg.decode_dtype == "bfloat16",
+             f"decode_dtype={cfg.decode_dtype!r}: use None (the model's dtype) or 'bfloat16'")
+    _require(cfg.device == "cpu" and cfg.torch_dtype == torch.float32,
+             f"decode_dtype='bfloat16' with device={cfg.device!r}, dtype={cfg.dtype!r}: it gives "
+             f"float32 models on a CPU bf16 decode weights; set dtype='bfloat16' instead")
+    _require(torch.backends.mkldnn.is_available(),
+             "decode_dtype='bfloat16' needs torch's oneDNN (mkldnn), which this torch build "
+             "lacks; unset decode_dtype")
+    _require(cfg.compile is not True,
+             "decode_dtype='bfloat16' with compile=True: not supported together; set "
+             "compile=False")
 
 
 def _check_context_parallel(cfg: EngineConfig) -> None:

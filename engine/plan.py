@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from engine.config import EngineConfig
+from engine.config import DTYPES, EngineConfig
 from engine.errors import ConfigError
 from engine.loading.model_config import ModelConfig
 from parallel import comm
@@ -51,6 +51,7 @@ class EnginePlan:
     vocab: list[Range]
     overlap_comm: bool = False  # split each multi-token step in two, all-reduces overlapped
     cp: int = 1  # context-parallel ranks; a replica is world_size (TP) x cp rank actors
+    decode_dtype: torch.dtype | None = None  # weights decode steps read, if not the model's
 
     @property
     def on_cuda(self) -> bool:
@@ -134,7 +135,8 @@ def make_plan(cfg: EngineConfig, source: str, mc: ModelConfig) -> EnginePlan:
                       cfg.device != "cpu" and cfg.cp == 1 if cfg.compile is None else cfg.compile,
                       heads,
                       even_ranges(mc.intermediate_size, cfg.tp), even_ranges(mc.vocab_size, cfg.tp),
-                      overlap_comm=cfg.overlap_comm, cp=cfg.cp)
+                      overlap_comm=cfg.overlap_comm, cp=cfg.cp,
+                      decode_dtype=DTYPES.get(cfg.decode_dtype))
 
 
 def _num_blocks(cfg: EngineConfig, mc: ModelConfig, heads: list[HeadPartition],

@@ -2,7 +2,7 @@
 device has.
 
 On a CPU, `F.linear` goes to MKL, and MKL takes a slow code path on AMD processors: measured on
-an AVX512-BF16 EPYC (2 threads, float32, `python -m bench.kernel_bench --linear`), oneDNN's
+an AVX512-BF16 EPYC (2 threads, float32, `python -m bench.cpu_ops`), oneDNN's
 inner product ran 2.2x faster for prefill-sized inputs (128-2048 rows) and 1.8x faster for
 decode's single rows. oneDNN is the library torch already ships for its CPU convolutions and
 for compiled linears (inductor emits the same op after freezing); results agree with MKL's to
@@ -22,6 +22,14 @@ def _onednn_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and x.dtype == weight.dtype and x.dim() == 2 and torch.backends.mkldnn.is_available())
 
 
+def _low_precision(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """A float32 input against bfloat16 weights (oneDNN-packed, engine.rank.decode_weights):
+    the product runs in bf16 with float32 accumulation; its result and the bias are float32."""
+    y = torch.ops.mkldnn._linear_pointwise(x.to(weight.dtype), weight, None, "none", [], "")
+    y = y.to(x.dtype)
+    return y if bias is None else y + bias
+
+
 @torch.library.custom_op("prefill::onednn_linear", mutates_args=())
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """The oneDNN inner product as an opaque op, for graphs being compiled: inductor lowers the
@@ -35,6 +43,8 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if weight.is_mkldnn:
+        return _low_precision(x, weight, bias)
     if not _onednn_usable(x, weight):
         return F.linear(x, weight, bias)
     if torch.compiler.is_compiling():

@@ -20,7 +20,7 @@ def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.T
          sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q [T, h, d] and k [T, hkv, d] by their positions (rotate-half layout); cos/sin are
     [max_positions, d/2] float32 tables."""
-    c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    c, s = cos.index_select(0, positions).unsqueeze(1), sin.index_select(0, positions).unsqueeze(1)
 
     def rotate(x: torch.Tensor) -> torch.Tensor:
         x1, x2 = x.float().chunk(2, dim=-1)

@@ -18,6 +18,7 @@ from engine.plan import EnginePlan, RankInfo
 from engine.rank.attention import StepContext
 from engine.rank.backend import select_backend
 from engine.rank.compiled import CompiledLayers, warm_up
+from engine.rank.decode_weights import DecodeWeights
 from engine.rank.kernels.step_metadata import build_step_metadata
 from engine.rank.kv_cache import KVCache
 from engine.rank.model import CausalLM
@@ -59,6 +60,8 @@ class Worker:
             p.data = torch.empty_like(p.data, device=self.device, dtype=plan.dtype)
         self.model.to(self.device)
         self._load(checkpoint or open_checkpoint(plan.source))
+        self.decode_weights = (DecodeWeights(self.model, plan.decode_dtype)
+                               if plan.decode_dtype is not None else None)
         self.cache = KVCache(plan.model.num_layers, plan.num_blocks, plan.block_size,
                              shard.heads.num_kv_heads, plan.model.head_dim, plan.dtype, self.device)
         self.kv_head_of_q = mapping = shard.heads.kv_head_of_q_head()
@@ -106,12 +109,21 @@ class Worker:
     def info(self) -> RankInfo:
         heads = self.shard.heads
         return RankInfo(self.rank, heads.q_heads, heads.kv_heads, self.shard.ffn, self.shard.vocab,
-                        sum(p.numel() * p.element_size() for p in self.model.parameters()),
+                        sum(p.numel() * p.element_size() for p in self.model.parameters())
+                        + (self.decode_weights.nbytes if self.decode_weights else 0),
                         self.plan.kv_bytes_per_token(heads.num_kv_heads), self.cache.num_blocks,
                         self.cache.nbytes, os.getpid(),
                         self.compiled is not None and self.compiled.usable, self.warmup_s)
 
     def execute(self, batch: Batch) -> StepResult | None:
+        # one new token per sequence and nothing scored: a decode step
+        decode = batch.num_tokens == batch.num_seqs and not batch.score_indices
+        if self.decode_weights is not None and decode:
+            with self.decode_weights.active():
+                return self._execute(batch)
+        return self._execute(batch)
+
+    def _execute(self, batch: Batch) -> StepResult | None:
         if self.context is not None:
             return self.context.execute(batch)
         dev, started = self.device, self.step_clocks()

@@ -1,0 +1,84 @@
+"""The CPU choices the engine makes, measured side by side on this machine: the projections
+through torch's default matmul (`F.linear`, MKL on x86) against oneDNN (`parallel.gemm`), and
+causal attention with grouped KV heads shared inside SDPA (`enable_gqa`) against KV heads
+repeated up front. SmolLM2-135M's shapes (hidden 576, FFN 1536, 9 query / 3 KV heads of 64).
+Runs alternate; the fastest of each is kept.
+
+    .venv/bin/python -m bench.cpu_ops
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from bench.common import machine
+from parallel.gemm import linear
+
+PROJECTIONS = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down
+HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
+
+
+def fastest(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    best = {name: float("inf") for name in fns}
+    for fn in fns.values():
+        fn()  # warm-up: primitive creation, first-touch
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - start)
+    return best
+
+
+def projections(rows: int, dtype: torch.dtype, repeats: int) -> dict[str, float]:
+    """One layer's four projections on `rows` tokens; decode (1 row) streams 30 layers' worth
+    of distinct weights, as a decode step does, so none come from the cache."""
+    layers = 30 if rows == 1 else 1
+    weights = [torch.randn(shape, dtype=dtype) for _ in range(layers) for shape in PROJECTIONS]
+    inputs = {k: torch.randn(rows, k, dtype=dtype) for k in (576, 1536)}
+    flops = sum(2 * rows * w.numel() for w in weights)
+    t = fastest({"F.linear": lambda: [F.linear(inputs[w.shape[1]], w) for w in weights],
+                 "oneDNN": lambda: [linear(inputs[w.shape[1]], w) for w in weights]}, repeats)
+    return {name: flops / s / 1e9 for name, s in t.items()}
+
+
+def attention(q_len: int, kv_len: int, dtype: torch.dtype, repeats: int) -> dict[str, float]:
+    q = torch.randn(1, HEADS, q_len, HEAD_DIM, dtype=dtype)
+    k, v = (torch.randn(1, KV_HEADS, kv_len, HEAD_DIM, dtype=dtype) for _ in range(2))
+    group = HEADS // KV_HEADS
+    causal = q_len > 1
+    t = fastest({
+        "enable_gqa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal,
+                                                             enable_gqa=True),
+        "repeated KV": lambda: F.scaled_dot_product_attention(
+            q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), is_causal=causal),
+    }, repeats)
+    return {name: s * 1e3 for name, s in t.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    args = ap.parse_args()
+    print(f"{machine()}; best of {args.repeats}, alternating")
+    print(f"{'projections':<24} {'F.linear GFLOP/s':>17} {'oneDNN GFLOP/s':>15} {'oneDNN / F.linear':>18}")
+    for dtype in args.dtypes:
+        for rows in (1, 128, 2048):
+            r = projections(rows, getattr(torch, dtype), args.repeats)
+            print(f"{dtype + f', {rows} rows':<24} {r['F.linear']:>17.1f} {r['oneDNN']:>15.1f} "
+                  f"{r['oneDNN'] / r['F.linear']:>17.2f}x")
+    print(f"{'causal attention':<24} {'enable_gqa ms':>17} {'repeated KV ms':>15} {'speed-up of repeat':>18}")
+    for dtype in args.dtypes:
+        for q_len, kv_len in ((128, 128), (512, 512), (2048, 2048), (1, 256), (1, 2048)):
+            r = attention(q_len, kv_len, getattr(torch, dtype), args.repeats)
+            print(f"{dtype + f', {q_len}/{kv_len}':<24} {r['enable_gqa']:>17.3f} "
+                  f"{r['repeated KV']:>15.3f} {r['enable_gqa'] / r['repeated KV']:>17.2f}x")
+
+
+if __name__ == "__main__":
+    main()
