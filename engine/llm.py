@@ -156,6 +156,7 @@ class LLM:
         from engine.observe.hardware import hardware as lookup
         from engine.observe.walkthrough import run_walkthrough
 
+        self._refuse_with_cp("walkthrough()")
         hw = lookup(hardware, self.config.device, self.config.torch_dtype)
         return run_walkthrough(self, prompt, hw, decode_tokens, top_k)
 
@@ -195,6 +196,8 @@ class LLM:
     @contextmanager
     def tracing(self) -> Iterator[list[dict]]:
         """Record every op every rank runs inside the block: the list fills when it ends."""
+        # the op costs read the plain step metadata; the ring's is another kind
+        self._refuse_with_cp("tracing()")
         records: list[dict] = []
         self._core.call(lambda: [r.executor.start_tracing() for r in self._core.replicas])
         try:

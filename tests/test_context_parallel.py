@@ -173,6 +173,11 @@ def test_scoring_and_kv_export_are_refused_with_cp(ray_cluster, tiny_model_dir):
             llm.score([[5, 6, 7, 8]])
         with pytest.raises(InvalidRequestError, match="export_kv=True\\) is not supported"):
             llm.prefill([[5, 6, 7, 8]], export_kv=True)
+        with pytest.raises(InvalidRequestError, match="walkthrough\\(\\) is not supported"):
+            llm.walkthrough([5, 6, 7, 8])
+        with pytest.raises(InvalidRequestError, match="tracing\\(\\) is not supported"):
+            with llm.tracing():
+                pass
         assert llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=2))[0].token_ids  # serving
 
 
