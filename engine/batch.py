@@ -24,7 +24,8 @@ class Batch:
 
     Sequence i owns flat rows cu_seqlens_q[i]:cu_seqlens_q[i+1]; after this step its KV length
     is context_lens[i]. slot_mapping[t] is the paged-cache slot (block * block_size + offset)
-    that token t's K/V go to. logits_indices are the rows whose next token is sampled.
+    that token t's K/V go to (-1 with context parallelism, whose ranks place them: cp_layout).
+    logits_indices are the rows whose next token is sampled.
     """
 
     token_ids: list[int]

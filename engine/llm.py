@@ -43,7 +43,7 @@ class LLM:
         self.plan = plan = make_plan(cfg, model, mc)
         self.max_model_len = plan.max_model_len
         self._limits = PromptLimits(model, mc.vocab_size, plan.max_model_len, plan.block_size,
-                                    plan.num_blocks)
+                                    plan.num_blocks, plan.cp)
         # the core never refers back to this object, so an LLM dropped without shutdown() is
         # collected, and the finalizer releases its actors and placement groups
         self._core = EngineCore(
@@ -156,6 +156,7 @@ class LLM:
         from engine.observe.hardware import hardware as lookup
         from engine.observe.walkthrough import run_walkthrough
 
+        self._refuse_with_cp("walkthrough()")
         hw = lookup(hardware, self.config.device, self.config.torch_dtype)
         return run_walkthrough(self, prompt, hw, decode_tokens, top_k)
 
@@ -195,6 +196,8 @@ class LLM:
     @contextmanager
     def tracing(self) -> Iterator[list[dict]]:
         """Record every op every rank runs inside the block: the list fills when it ends."""
+        # the op costs read the plain step metadata; the ring's is another kind
+        self._refuse_with_cp("tracing()")
         records: list[dict] = []
         self._core.call(lambda: [r.executor.start_tracing() for r in self._core.replicas])
         try:
@@ -208,6 +211,8 @@ class LLM:
     @contextmanager
     def prefix_caching(self, enabled: bool) -> Iterator[None]:
         """Serve and record prefix-cache hits, or not, for every request inside the block."""
+        if enabled and self.plan.cp > 1:  # a cached block holds one rank's slice, not a prefix
+            raise InvalidRequestError(f"prefix caching is not supported with cp={self.plan.cp}")
         managers = self._core.call(lambda: [r.block_manager for r in self._core.replicas])
         saved = [bm.enable_prefix_caching for bm in managers]
         self._core.call(lambda: [setattr(bm, "enable_prefix_caching", enabled) for bm in managers])

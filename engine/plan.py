@@ -14,6 +14,7 @@ import torch
 from engine.config import DTYPES, EngineConfig
 from engine.errors import ConfigError
 from engine.loading.model_config import ModelConfig
+from engine.rank.cp_layout import max_held
 from parallel import comm
 from parallel.partition import HeadPartition, Range, even_ranges, partition_heads
 
@@ -142,7 +143,8 @@ def make_plan(cfg: EngineConfig, source: str, mc: ModelConfig) -> EnginePlan:
 def _num_blocks(cfg: EngineConfig, mc: ModelConfig, heads: list[HeadPartition],
                 max_model_len: int) -> int:
     """KV blocks per rank: as many as the rank with the most KV heads can hold, and at least one
-    request of max_model_len."""
+    request of max_model_len, of which a context rank keeps only its slice (cp_layout)."""
+
     widest = max(h.num_kv_heads for h in heads)
     dtype = cfg.torch_dtype
     bytes_per_block = 2 * mc.num_layers * widest * mc.head_dim * dtype.itemsize * cfg.block_size
@@ -152,11 +154,13 @@ def _num_blocks(cfg: EngineConfig, mc: ModelConfig, heads: list[HeadPartition],
                          _free_gpu_bytes(cfg.device) if on_cuda and cfg.kv_cache_gb is None else 0,
                          weight_bytes)
     num_blocks = pool // bytes_per_block
-    needed = -(-max_model_len // cfg.block_size)
+    held = max_held(max_model_len, cfg.cp)
+    needed = -(-held // cfg.block_size)
     if num_blocks < needed:
+        sliced = f", of which one of cp={cfg.cp} ranks keeps at most {held}" if cfg.cp > 1 else ""
         raise ConfigError(
             f"kv_cache_gb={pool / 2**30:.3g} holds {num_blocks} blocks of {cfg.block_size} tokens "
             f"({num_blocks * cfg.block_size} tokens at {bytes_per_block // cfg.block_size} bytes "
-            f"per token per rank), less than one request of max_model_len={max_model_len} "
-            f"({needed} blocks); raise kv_cache_gb or lower max_model_len")
+            f"per token per rank), less than one request of max_model_len={max_model_len}"
+            f"{sliced} ({needed} blocks); raise kv_cache_gb or lower max_model_len")
     return num_blocks

@@ -104,10 +104,20 @@ def _decode_and_cache_parts(d: dict) -> list[Part]:
     ]
 
 
+def _comm_lines(d: dict) -> list[str]:
+    """Rank 0's communication per phase: in flight in all, and exposed (the rank waiting)."""
+    if d["model"]["tp"] * d["model"].get("cp", 1) == 1:
+        return ["communication: none (one rank)"]
+    return [f"communication on rank 0, {phase}: {c['total_s'] * 1e3:.2f} ms in flight in total, "
+            f"{c['exposed_s'] * 1e3:.2f} ms exposed (waiting on it), "
+            f"{(c['total_s'] - c['exposed_s']) * 1e3:.2f} ms hidden behind compute"
+            for phase, c in d["comm"].items()]
+
+
 def _ttft_part(d: dict) -> Part:
     total = d["ttft"]["total_s"]
     rows = [[part, f"{secs * 1e3:.2f} ms", f"{secs / total:.1%}"] for part, secs in d["ttft"]["parts"].items()]
-    return Part("ttft", f"8. TTFT {total * 1e3:.1f} ms, part by part", [],
+    return Part("ttft", f"8. TTFT {total * 1e3:.1f} ms, part by part", _comm_lines(d),
                 TableData(["part", "time", "share"], rows, ("time", "share")))
 
 

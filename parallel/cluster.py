@@ -51,24 +51,35 @@ def alive_nodes(device: str) -> dict[str, float]:
             if n["Alive"] and n["Resources"].get(unit, 0.0) > 0}
 
 
-def plan_replicas(dp: int, tp: int, device: str, cpus_per_rank: float = 1.0) -> list[str]:
-    """A node for each of `dp` TP groups: every group packed on one node, groups spread over
-    the nodes with the most devices left. Fails at once, naming the shortfall, when the
-    cluster is too small; a cluster big enough but busy is caught by the placement timeout."""
+def plan_replicas(dp: int, tp: int, device: str, cpus_per_rank: float = 1.0,
+                  cp: int = 1) -> list[list[str]]:
+    """For each of `dp` replicas, a node for each of its `cp` TP groups: a TP group is packed on
+    one node; a replica's next TP group goes on the node of its previous one while that has room
+    (its ring exchange stays on the node), else on the node with the most devices left, so
+    replicas spread. Fails at once, naming the shortfall, when the cluster is too small; a
+    cluster big enough but busy is caught by the placement timeout."""
     unit = _unit(device)
     left = alive_nodes(device)
     per_group = tp * (cpus_per_rank if unit == "CPU" else 1)
-    if dp * per_group > sum(left.values()):
-        raise ValueError(f"{dp} replica(s) x tp={tp} need {dp * per_group:g} {unit}s but the Ray "
-                         f"cluster has {sum(left.values()):g}; lower tp/dp or cpus_per_rank, or "
-                         f"add nodes")
-    chosen: list[str] = []
+    need, have = dp * cp * per_group, sum(left.values())
+    if need > have:
+        layout = f"cp={cp} x tp={tp}" if cp > 1 else f"tp={tp}"
+        raise ValueError(f"{dp} replica(s) x {layout} need {need:g} {unit}s but the Ray cluster "
+                         f"has {have:g}, {need - have:g} short; lower tp/cp/dp or cpus_per_rank, "
+                         f"or add nodes")
+    plan: list[list[str]] = []
     for replica in range(dp):
-        fits = [n for n in left if left[n] >= per_group]
-        if not fits:
-            raise ValueError(f"no node has {tp} {unit}s left for replica {replica}: a TP group must "
-                             f"fit on one node ({unit}s per node: {sorted(left.values(), reverse=True)})")
-        node = max(fits, key=lambda n: (left[n], -chosen.count(n)))
-        chosen.append(node)
-        left[node] -= per_group
-    return chosen
+        nodes: list[str] = []
+        for _ in range(cp):
+            fits = [n for n in left if left[n] >= per_group]
+            if not fits:
+                raise ValueError(f"no node has {tp} {unit}s left for a TP group of replica "
+                                 f"{replica}: a TP group must fit on one node ({unit}s per node: "
+                                 f"{sorted(left.values(), reverse=True)})")
+            taken = [n for r in plan for n in r]
+            node = (nodes[-1] if nodes and nodes[-1] in fits
+                    else max(fits, key=lambda n: (left[n], -taken.count(n))))
+            nodes.append(node)
+            left[node] -= per_group
+        plan.append(nodes)
+    return plan

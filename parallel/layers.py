@@ -32,10 +32,12 @@ def _frozen(*shape: int) -> nn.Parameter:
 
 
 class AllReduce(nn.Module):
-    """Sum over ranks, in place; nothing to do for a world of one."""
+    """Sum over ranks, in place; nothing to do for a world of one. With `async_op` the sum is
+    started and a `comm.PendingAllReduce` returned, to `wait()` on after other work."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return comm.all_reduce(x)
+    def forward(self, x: torch.Tensor,
+                async_op: bool = False) -> torch.Tensor | comm.PendingAllReduce:
+        return comm.all_reduce_async(x) if async_op else comm.all_reduce(x)
 
 
 class GatherToRankZero(nn.Module):
@@ -102,8 +104,28 @@ class RowParallelLinear(nn.Module):
         if self.bias is not None:
             copy_checked(self.bias, read(f"{name}.bias", None, 0, 0), f"{name}.bias")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor,
+                async_op: bool = False) -> torch.Tensor | RowParallelInFlight:
+        if async_op:
+            return RowParallelInFlight(self.all_reduce(linear(x, self.weight), async_op=True),
+                                       self.bias)
         y = self.all_reduce(linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+    def start(self, x: torch.Tensor) -> RowParallelInFlight:
+        """The local matmul, its all-reduce started and not awaited: `.wait()` gives what
+        calling the layer gives. Through the module call, so hooks (the tracer) see both ops."""
+        return self(x, async_op=True)
+
+
+class RowParallelInFlight:
+    """A row-parallel linear whose sum over ranks is in flight."""
+
+    def __init__(self, pending: comm.PendingAllReduce, bias: torch.Tensor | None):
+        self.pending, self.bias = pending, bias
+
+    def wait(self) -> torch.Tensor:
+        y = self.pending.wait()
         return y if self.bias is None else y + self.bias
 
 

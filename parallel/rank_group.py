@@ -44,9 +44,12 @@ class GroupOptions:
     collective_timeout_s: float = 60.0  # torch.distributed's own bound on one collective
     # Set in each actor before the group forms, e.g. GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME.
     env: dict[str, str] = field(default_factory=dict)
-    placement_strategy: str = "STRICT_PACK"   # one TP group packed on one node
-    placement_group: object | None = None     # an existing ray PlacementGroup, left to its owner
-    node_id: str | None = None                # pin every rank to this Ray node
+    # Consecutive ranks that must share a node (a TP group); 0: all world_size ranks. Each such
+    # block is one bundle of the placement group (see _place).
+    ranks_per_node: int = 0
+    placement_group: object | None = None     # an existing ray PlacementGroup, one bundle per
+                                              # block of ranks_per_node ranks, left to its owner
+    node_ids: list[str] | None = None         # pin each block of ranks to this Ray node
     num_cpus: float = 1.0                     # logical CPUs per rank; fractions share cores
     # How a broken group is reported: the caller's own exception type, built from the message.
     error: Callable[[str], Exception] = field(default=lambda message: RankGroupError(message))
@@ -178,26 +181,47 @@ class RankGroup:
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
 
+    @property
+    def _per_node(self) -> int:
+        return self._options.ranks_per_node or self._options.world_size
+
     def _place(self) -> None:
-        opts = self._options
-        bundle = {"GPU": 1, "CPU": opts.num_cpus} if comm.is_cuda(opts.device) else {"CPU": opts.num_cpus}
+        """One bundle per block of `ranks_per_node` consecutive ranks, holding all of them.
+
+        Ray reserves a bundle whole on one node, whatever the strategy: that, not the strategy,
+        is what keeps a TP group on one node. Across bundles (the CP peers of a replica), PACK
+        puts them on one node when it can hold them and spreads them otherwise; STRICT_PACK
+        would refuse a replica larger than a node, STRICT_SPREAD two blocks on one node. With
+        `node_ids` each bundle's label selector names its node and Ray only honours it.
+        """
+        opts, per = self._options, self._per_node
+        if opts.world_size % per:
+            raise ValueError(f"world_size={opts.world_size} is not a whole number of blocks of "
+                             f"ranks_per_node={per}")
+        blocks = opts.world_size // per
+        if opts.node_ids is not None and len(opts.node_ids) != blocks:
+            raise ValueError(f"node_ids names {len(opts.node_ids)} nodes for {blocks} blocks of "
+                             f"{per} ranks")
+        bundle = {"CPU": opts.num_cpus * per}
+        if comm.is_cuda(opts.device):
+            bundle["GPU"] = per
         if self._pg is None:
-            selector = [{NODE_ID_LABEL_KEY: opts.node_id}] * opts.world_size if opts.node_id else None
-            self._pg = placement_group([dict(bundle)] * opts.world_size,
-                                       strategy=opts.placement_strategy,
+            selector = ([{NODE_ID_LABEL_KEY: node} for node in opts.node_ids]
+                        if opts.node_ids else None)
+            self._pg = placement_group([dict(bundle) for _ in range(blocks)], strategy="PACK",
                                        bundle_label_selector=selector)
-        elif self._pg.bundle_count < opts.world_size:
-            raise ValueError(f"the placement group has {self._pg.bundle_count} bundles, "
-                             f"fewer than world_size={opts.world_size}")
+        elif self._pg.bundle_count < blocks:
+            raise ValueError(f"the placement group has {self._pg.bundle_count} bundles, fewer "
+                             f"than the {blocks} blocks of {per} ranks")
         ready, _ = ray.wait([self._pg.ready()], timeout=opts.init_timeout_s)
         if not ready:
-            raise opts.error(_placement_advice(bundle, opts))
+            raise opts.error(_placement_advice(bundle, blocks, opts))
 
     def _start_actors(self) -> None:
         opts = self._options
         for rank in range(opts.world_size):
-            strategy = PlacementGroupSchedulingStrategy(placement_group=self._pg,
-                                                        placement_group_bundle_index=rank)
+            strategy = PlacementGroupSchedulingStrategy(
+                placement_group=self._pg, placement_group_bundle_index=rank // self._per_node)
             self._actors.append(_RankActor.options(
                 num_cpus=opts.num_cpus, num_gpus=1 if comm.is_cuda(opts.device) else 0,
                 scheduling_strategy=strategy).remote(dict(opts.env)))
@@ -261,13 +285,12 @@ def _same_kind(errors: Iterable[RayTaskError]) -> bool:
     return len({type(err.cause) for err in errors}) == 1
 
 
-def _placement_advice(bundle: dict[str, int], opts: GroupOptions) -> str:
-    asked = {res: n * opts.world_size for res, n in bundle.items()}
+def _placement_advice(bundle: dict[str, float], blocks: int, opts: GroupOptions) -> str:
     total, free = ray.cluster_resources(), ray.available_resources()
-    have = ", ".join(f"{int(total.get(res, 0))} {res} in total ({int(free.get(res, 0))} free)"
-                     for res in asked)
-    wanted = ", ".join(f"{n:g} {res}" for res, n in asked.items())
-    where = " on one node" if opts.placement_strategy.startswith("STRICT_PACK") else ""
+    have = ", ".join(f"{total.get(res, 0):g} {res} in total ({free.get(res, 0):g} free)"
+                     for res in bundle)
+    wanted = " + ".join(f"{n:g} {res}" for res, n in bundle.items())
+    where = f" on node(s) {sorted(set(opts.node_ids))}" if opts.node_ids else ""
     return (f"could not place {opts.world_size} ranks within {opts.init_timeout_s} s: asked for "
-            f"{wanted}{where} ({opts.placement_strategy}), the cluster has {have}; lower "
+            f"{blocks} x ({wanted}), each on one node{where}; the cluster has {have}; lower "
             f"world_size, free resources or add nodes")

@@ -10,7 +10,10 @@ ids, one IP), connects to it, and checks what `tests/test_multinode.py` asserts:
 - `LLM(model, tp=2, dp=2)`: each replica's ranks share one node, the two replicas use two nodes,
   and its greedy tokens and first-step logits equal a single-rank `LLM(model)`'s;
 - `LLM(model, tp=3)` (3 CPUs on one node, while the cluster has 4 in all) fails at once with
-  `ConfigError`.
+  `ConfigError`;
+- `LLM(model, tp=2, cp=2)`: each TP group on one node, the two context ranks on the two nodes
+  (their ring crosses nodes), tokens and logits equal the single rank's; `cp=3, tp=2` (6 CPUs)
+  fails at once naming the shortfall.
 
 It prints one JSON line (prefixed `RESULT `) with what it saw, and always shuts the cluster down.
 It runs in its own process because a pytest session may already hold a Ray connection, and it keeps
@@ -67,6 +70,10 @@ def _run(llm, prompts) -> dict:
     return {"logits": [p.logits for p in pre], "tokens": [g.token_ids for g in gen]}
 
 
+def _max_diff(logits, reference) -> float:
+    return max((a - b).abs().max().item() for a, b in zip(logits, reference))
+
+
 def _check_pinning(node_ids: list[str]) -> dict:
     """RankGroup's `node_id` (a `bundle_label_selector` on `ray.io/node-id`) on its own.
 
@@ -82,21 +89,50 @@ def _check_pinning(node_ids: list[str]) -> dict:
     [node] = [n for n in node_ids if n != driver]
     out: dict = {"node": node, "overfull": None}
     # `dict(rank=r, world_size=n)` is a worker any Ray process can build; `get` reads it back.
-    with RankGroup(dict, GroupOptions(world_size=2, init_timeout_s=30, node_id=node)) as g:
+    with RankGroup(dict, GroupOptions(world_size=2, init_timeout_s=30, node_ids=[node])) as g:
         out["node_ids"], out["ranks"] = g.node_ids(), g.call("get", "rank")
         t0 = time.perf_counter()
         try:
-            RankGroup(dict, GroupOptions(world_size=1, init_timeout_s=3, node_id=node)).shutdown()
+            RankGroup(dict, GroupOptions(world_size=1, init_timeout_s=3,
+                                         node_ids=[node])).shutdown()
         except RankGroupError as e:
             out["overfull"] = {"error": str(e), "s": round(time.perf_counter() - t0, 2)}
     return out
+
+
+def _fails_at_once(make) -> dict | None:
+    """How `make()` failed (None if it did not), and how long it took."""
+    from engine import ConfigError
+
+    t0 = time.perf_counter()
+    try:
+        make().shutdown()
+        return None
+    except Exception as e:  # noqa: BLE001 - the test asserts on the type and message
+        return {"type": type(e).__name__, "message": str(e), "s": time.perf_counter() - t0,
+                "is_config_error": isinstance(e, ConfigError)}
+
+
+def _check_context_parallel(model: str, prompts, ref: dict, result: dict) -> None:
+    """tp=2 x cp=2 on two 2-CPU nodes: each TP group fills a node, the ring crosses them."""
+    from engine import LLM
+
+    cp_only = dict(enable_prefix_caching=False, init_timeout_s=60)
+    result["cp_too_big"] = _fails_at_once(lambda: LLM(model, tp=2, cp=3, **cp_only))
+    t0 = time.perf_counter()
+    with LLM(model, tp=2, cp=2, **cp_only) as llm:
+        result["cp_placement"] = llm.placement()
+        got = _run(llm, prompts)
+    result["cp_s"] = round(time.perf_counter() - t0, 2)
+    result["cp_tokens"] = got["tokens"]
+    result["cp_max_logit_diff"] = _max_diff(got["logits"], ref["logits"])
 
 
 def check(model: str, result: dict) -> None:
     import ray
     from ray.cluster_utils import Cluster
 
-    from engine import LLM, ConfigError
+    from engine import LLM
 
     t0 = time.perf_counter()
     with LLM(model) as single:
@@ -123,14 +159,7 @@ def check(model: str, result: dict) -> None:
         result["pinning_s"] = round(time.perf_counter() - t0, 2)
 
         # A TP group larger than any node fails before any actor starts.
-        t0 = time.perf_counter()
-        try:
-            LLM(model, tp=3, init_timeout_s=30).shutdown()
-            result["tp3_error"] = None
-        except Exception as e:  # noqa: BLE001 - the test asserts on the type and message
-            result["tp3_error"] = {"type": type(e).__name__, "message": str(e),
-                                   "is_config_error": isinstance(e, ConfigError)}
-        result["tp3_s"] = round(time.perf_counter() - t0, 2)
+        result["tp3_error"] = _fails_at_once(lambda: LLM(model, tp=3, init_timeout_s=30))
 
         t0 = time.perf_counter()
         with LLM(model, tp=2, dp=2, init_timeout_s=60, kv_cache_gb=0.02) as llm:
@@ -143,8 +172,8 @@ def check(model: str, result: dict) -> None:
                 s["prefix_lookup_tokens"] for s in llm.cache_stats()["replicas"]]
         result["tokens"] = got["tokens"]
         result["reference_tokens"] = ref["tokens"]
-        result["max_logit_diff"] = max((a - b).abs().max().item()
-                                       for a, b in zip(got["logits"], ref["logits"]))
+        result["max_logit_diff"] = _max_diff(got["logits"], ref["logits"])
+        _check_context_parallel(model, prompts, ref, result)
         # Every rank actor was killed with its group: the cluster's CPUs are all free again.
         deadline = time.monotonic() + 10
         while ray.available_resources().get("CPU", 0) < NODES * CPUS_PER_NODE \

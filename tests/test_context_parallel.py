@@ -122,7 +122,8 @@ def test_unsupported_context_parallel_settings_are_refused(ray_cluster, tiny_mod
     with pytest.raises(ConfigError, match="cp=0"):
         LLM(path, cp=0)
     start = time.perf_counter()
-    with pytest.raises(ConfigError, match=r"cp=3 x tp=2 = 6 ranks per replica.*need 6 CPUs"):
+    with pytest.raises(ConfigError, match=r"1 replica\(s\) x cp=3 x tp=2 need 6 CPUs but the Ray "
+                       r"cluster has 4, 2 short"):
         LLM(path, cp=3, tp=2, **CP_ONLY)  # the test cluster has 4 CPUs
     assert time.perf_counter() - start < 10
 
@@ -172,4 +173,74 @@ def test_scoring_and_kv_export_are_refused_with_cp(ray_cluster, tiny_model_dir):
             llm.score([[5, 6, 7, 8]])
         with pytest.raises(InvalidRequestError, match="export_kv=True\\) is not supported"):
             llm.prefill([[5, 6, 7, 8]], export_kv=True)
+        with pytest.raises(InvalidRequestError, match="walkthrough\\(\\) is not supported"):
+            llm.walkthrough([5, 6, 7, 8])
+        with pytest.raises(InvalidRequestError, match="tracing\\(\\) is not supported"):
+            with llm.tracing():
+                pass
         assert llm.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=2))[0].token_ids  # serving
+
+
+def test_most_positions_one_rank_holds_by_brute_force():
+    """max_held against every prompt length and every rank: never exceeded, often reached."""
+    from engine.rank import cp_layout
+
+    for cp in (2, 3, 4):
+        reached = 0
+        for length in range(1, 100):
+            most = max(cp_layout.local_count(length, prompt, cp, c)
+                       for prompt in range(1, length + 1) for c in range(cp))
+            assert most <= cp_layout.max_held(length, cp), (cp, length)
+            reached += most == cp_layout.max_held(length, cp)
+            # a whole prompt alone: its 2·cp chunks give no rank more than ceil(length / cp)
+            assert max(cp_layout.local_count(length, length, cp, c)
+                       for c in range(cp)) == -(-length // cp)
+        assert reached > 30  # the bound is the real worst case, not a loose one
+    assert cp_layout.max_held(45, 1) == 45
+
+
+def test_a_context_rank_pools_only_its_slice(ray_cluster, tiny_model_dir):
+    """3 blocks of 16 positions per rank: too few for one 64-token request on one rank (4
+    blocks), enough at cp=2 (a rank keeps at most 33 of 64). Two 60-token prompts, each needing
+    4 blocks whole, run one after the other in 2-3 blocks and match one rank."""
+    path = str(tiny_model_dir("uneven"))
+    # by hand: K and V x 2 layers x 3 KV heads x head dim 12 x 4 bytes, per position per rank
+    per_token = 2 * 2 * 3 * 12 * 4
+    pool = 3 * 16 * per_token
+    settings = dict(max_model_len=64, block_size=16, enable_prefix_caching=False)
+    small = dict(kv_cache_gb=pool / 2**30, **settings)
+    with pytest.raises(ConfigError, match=r"holds 3 blocks .* max_model_len=64 \(4 blocks\)"):
+        LLM(path, **small)
+    with pytest.raises(ConfigError, match=r"one of cp=2 ranks keeps at most 33 \(3 blocks\)"):
+        LLM(path, cp=2, **{**small, "kv_cache_gb": 2 * 16 * per_token / 2**30})
+    prompts = [_ids(60, 301, seed=11), _ids(60, 301, seed=12)]
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    with LLM(path, **settings) as llm:
+        ref_logits = [p.logits for p in llm.prefill(prompts)]
+        ref_tokens = [g.token_ids for g in llm.generate(prompts, params)]
+    with LLM(path, cp=2, **small) as llm:
+        info = llm.rank_info()
+        assert [(i.num_blocks, i.kv_cache_bytes) for i in info] == [(3, pool)] * 2
+        pre = llm.prefill(prompts)
+        assert [len(p.block_table) for p in pre] == [2, 2]  # ceil(31 / 16): a rank holds 30
+        tokens = [g.token_ids for g in llm.generate(prompts, params)]
+        with pytest.raises(InvalidRequestError, match="prefix caching is not supported"):
+            with llm.prefix_caching(True):
+                pass
+    assert tokens == ref_tokens
+    for got, ref in zip(pre, ref_logits):
+        assert (got.logits - ref).abs().max().item() <= 1e-4
+
+
+def test_a_preempted_sequence_comes_back_as_a_longer_prompt(ray_cluster, tiny_model_dir):
+    """Two sequences outgrow a 3-block pool at cp=2; the newest gives way and is recomputed as
+    one prompt of its tokens so far, which the ranks split afresh: same tokens as one rank."""
+    path = str(tiny_model_dir("uneven"))
+    settings = dict(max_model_len=64, block_size=16, enable_prefix_caching=False)
+    prompts = [_ids(20, 301, seed=1), _ids(23, 301, seed=2)]
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    with LLM(path, **settings) as llm:
+        expected = [g.token_ids for g in llm.generate(prompts, params)]
+    with LLM(path, cp=2, kv_cache_gb=3 * 16 * 576 / 2**30, **settings) as llm:
+        assert [g.token_ids for g in llm.generate(prompts, params)] == expected
+        assert llm.cache_stats()["preemptions"] >= 1

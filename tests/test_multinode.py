@@ -75,4 +75,24 @@ def test_tp_larger_than_any_node_fails_fast_with_config_error(report):
     assert err is not None, "tp=3 on 2-CPU nodes was accepted"
     assert err["is_config_error"], err
     assert "a TP group must fit on one node" in err["message"]
-    assert report["tp3_s"] < 5.0
+    assert err["s"] < 5.0
+
+
+def test_cp2_tp2_each_tp_group_on_one_node_context_ranks_on_two(report):
+    ranks = report["cp_placement"]
+    assert len(ranks) == 1 and len(ranks[0]) == 4  # one replica of cp=2 x tp=2, rank order
+    nodes = [node for _, node in ranks[0]]
+    # global rank r is context rank r // tp: ranks 0-1 are one TP group, ranks 2-3 the other
+    assert nodes[0] == nodes[1] and nodes[2] == nodes[3], ranks
+    assert nodes[0] != nodes[2], f"both context ranks on one node: {ranks}"
+    assert set(nodes) == set(report["nodes"])
+    assert report["cp_tokens"] == report["reference_tokens"]
+    assert report["cp_max_logit_diff"] <= 1e-4
+
+
+def test_cp_times_tp_larger_than_the_cluster_names_the_shortfall(report):
+    err = report["cp_too_big"]
+    assert err is not None and err["is_config_error"], err
+    assert "1 replica(s) x cp=3 x tp=2 need 6 CPUs but the Ray cluster has 4, 2 short" \
+        in err["message"]
+    assert err["s"] < 5.0

@@ -123,6 +123,17 @@ def test_overlap_on_matches_off(ray_cluster, tiny_model_dir, tp):
     # the split really ran: some QKV projection saw half of a 32-token step
     rows = {r["shapes"].split(",")[0] for r in records if r["name"] == "qkv_proj"}
     assert "[16" in rows, rows
+    # the split layers' ops, the row-parallel linears and their all-reduces included, are traced
+    # with their layer: each o_proj and down_proj has its own all-reduce in the same layer
+    layers = range(llm.model_config.num_layers)
+    in_layers = ("qkv_proj", "rope", "attention", "o_proj", "down_proj", "silu_mul")
+    assert all(r["layer"] in layers for r in records if r["name"] in in_layers)
+    for op in ("o_proj", "down_proj"):
+        assert any(r["shapes"].startswith("[16") for r in records if r["name"] == op), op
+    for layer in layers:
+        count = lambda *names: sum(1 for r in records  # noqa: E731
+                                   if r["name"] in names and r["layer"] == layer)
+        assert count("all_reduce") == count("o_proj", "down_proj") > 0
     # every step reports its overlapped collectives: in flight at least as long as waited on
     assert all(t.comm_total_s >= t.comm_exposed_s - 1e-6 for t in timings)
     assert any(t.comm_total_s > 0 for t in timings)

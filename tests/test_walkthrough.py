@@ -175,3 +175,43 @@ def test_bench_app_appends_results_and_draws_plots(tmp_path, tiny_model_dir):
         assert sum(n["ranks"] for n in r["nodes"].values()) == 1
     for png in ("ttft_vs_prompt_len.png", "tp_scaling.png"):
         assert (tmp_path / "plots" / png).read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_report_shows_exposed_and_total_communication(ray_cluster, tmp_path, tiny_model_dir,
+                                                      overlap):
+    """TP=2: the terminal text and the HTML page give rank 0's communication per phase, in flight
+    and exposed; exposed never exceeds in flight, and without overlap they are the same time."""
+    import re
+
+    from hydra import compose, initialize_config_dir
+    from rich.console import Console
+
+    from launcher.common import CONF_DIR
+    from launcher.walkthrough import run
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        cfg = compose("walkthrough", overrides=[
+            f"model.path={tiny_model_dir('uneven')}", "prompt=[" + ",".join(map(str, range(3, 43)))
+            + "]", "decode_tokens=1", "short_len=0", f"out_dir={tmp_path}", "parallel.tp=2",
+            f"parallel.overlap_comm={str(overlap).lower()}", "engine.enable_prefix_caching=false"])
+    console = Console(record=True, width=150)
+    files = run(cfg, console)
+    comm = json.loads(files["json"].read_text())["comm"]
+    line = re.compile(r"communication on rank 0, (prefill|decode): ([\d.]+) ms in flight in "
+                      r"total, ([\d.]+) ms exposed")
+    for text in (console.export_text(), files["html"].read_text()):
+        shown = {m[0]: (float(m[1]), float(m[2])) for m in line.findall(text)}
+        assert shown.keys() == {"prefill", "decode"}, text
+        for phase, (total_ms, exposed_ms) in shown.items():
+            assert total_ms == pytest.approx(comm[phase]["total_s"] * 1e3, abs=0.006)
+            assert exposed_ms == pytest.approx(comm[phase]["exposed_s"] * 1e3, abs=0.006)
+    for phase in ("prefill", "decode"):
+        assert 0 < comm[phase]["exposed_s"] <= comm[phase]["total_s"]
+        if not overlap:  # every collective blocks: all of it is exposed
+            assert comm[phase]["exposed_s"] == pytest.approx(comm[phase]["total_s"])
+    if overlap:  # each half's all-reduce was in flight while the other half computed
+        assert comm["prefill"]["exposed_s"] < comm["prefill"]["total_s"]
+    claim = {c["key"]: c for c in json.loads(files["json"].read_text())["claims"]}
+    measured = claim["all_reduce_per_layer"]["measured"]
+    assert measured["comm_total_s"] == comm["prefill"]["total_s"]

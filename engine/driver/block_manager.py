@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from engine.driver.sequence import Sequence
+from engine.rank.cp_layout import max_held
 
 HashFn = Callable[[int | None, tuple[int, ...]], int]
 
@@ -42,8 +43,9 @@ class Block:
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 hash_fn: HashFn = chain_hash):
+                 hash_fn: HashFn = chain_hash, cp: int = 1):
         self.block_size = block_size
+        self.cp = cp  # context ranks: each keeps only its positions, compacted (cp_layout)
         self.enable_prefix_caching = enable_prefix_caching
         self.hash_fn = hash_fn
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -63,6 +65,11 @@ class BlockManager:
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        """The blocks a sequence of `num_tokens` holds: with cp > 1 only as many as the context
+        rank keeping most of its positions fills (every rank indexes the same table)."""
+        return self.blocks_for(max_held(num_tokens, self.cp))
 
     def _cached_prefix(self, tokens: list[int]) -> list[int]:
         hits, parent = [], None
@@ -90,7 +97,7 @@ class BlockManager:
         not to). False if the pool cannot hold it now."""
         use = self.enable_prefix_caching and use_prefix_cache
         hits = self._cached_prefix(seq.token_ids) if use else []
-        fresh = self.blocks_for(seq.num_tokens) - len(hits)
+        fresh = self.blocks_needed(seq.num_tokens) - len(hits)
         revived = sum(1 for b in hits if self.blocks[b].ref_count == 0)
         if self.num_free_blocks - revived < fresh:
             return False
@@ -106,7 +113,7 @@ class BlockManager:
 
     def ensure_capacity(self, seq: Sequence) -> bool:
         """Add a block when the sequence's tokens outgrow its table. False if none is free."""
-        if self.blocks_for(seq.num_tokens) <= len(seq.block_table):
+        if self.blocks_needed(seq.num_tokens) <= len(seq.block_table):
             return True
         if not self.free_ids:
             return False

@@ -95,10 +95,10 @@ class InProcessExecutor(Executor):
 
 
 class RayExecutor(Executor):
-    """`tp` rank actors packed on one node, each building its own `Worker` from the plan; a
-    broken group raises `RankFailure` itself."""
+    """`cp x tp` rank actors, each TP group packed on one node (`nodes[c]` for context rank c),
+    each rank building its own `Worker` from the plan; a broken group raises `RankFailure`."""
 
-    def __init__(self, plan: EnginePlan, cfg: EngineConfig, node_id: str | None):
+    def __init__(self, plan: EnginePlan, cfg: EngineConfig, nodes: list[str] | None):
         from parallel.rank_group import GroupOptions, RankGroup
 
         ifname = cfg.socket_ifname
@@ -106,7 +106,8 @@ class RayExecutor(Executor):
                                init_timeout_s=cfg.init_timeout_s, step_timeout_s=cfg.step_timeout_s,
                                collective_timeout_s=cfg.collective_timeout_s,
                                env={"GLOO_SOCKET_IFNAME": ifname, "NCCL_SOCKET_IFNAME": ifname}
-                               if ifname else {}, node_id=node_id, error=RankFailure,
+                               if ifname else {}, ranks_per_node=cfg.tp, node_ids=nodes,
+                               error=RankFailure,
                                num_cpus=cfg.cpus_per_rank)
         self.group = RankGroup(Worker, options, plan)
 
@@ -134,10 +135,9 @@ def make_executors(plan: EnginePlan, cfg: EngineConfig, checkpoint: Checkpoint) 
 
     cluster.connect(cfg.ray_address)
     try:
-        nodes = cluster.plan_replicas(cfg.dp, cfg.tp * cfg.cp, cfg.device, cfg.cpus_per_rank)
+        nodes = cluster.plan_replicas(cfg.dp, cfg.tp, cfg.device, cfg.cpus_per_rank, cfg.cp)
     except ValueError as e:
-        ranks = f"cp={cfg.cp} x tp={cfg.tp} = {cfg.tp * cfg.cp} ranks per replica: "
-        raise ConfigError(f"{ranks if cfg.cp > 1 else ''}{e}") from None
+        raise ConfigError(str(e)) from None
     executors: list[Executor] = []
     try:
         for node in nodes:

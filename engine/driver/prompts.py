@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from engine.errors import InvalidRequestError
 from engine.loading.tokenizer import Tokenizer
+from engine.rank.cp_layout import max_held
 
 Prompt = str | list[int]
 
@@ -20,6 +21,7 @@ class PromptLimits:
     max_model_len: int
     block_size: int
     num_blocks: int
+    cp: int = 1  # context ranks: a sequence takes only the blocks of its largest slice
 
 
 def as_prompt_list(prompts) -> list[Prompt]:
@@ -88,7 +90,7 @@ def prompt_token_ids(prompt: Prompt, tokenizer: Tokenizer | None, limits: Prompt
         raise InvalidRequestError(
             f"prompt of {len(ids)} tokens exceeds max_model_len={limits.max_model_len}; "
             f"shorten it or raise max_model_len (at most the model's context)")
-    blocks = -(-(len(ids) + 1) // limits.block_size)
+    blocks = -(-max_held(len(ids) + 1, limits.cp) // limits.block_size)
     if blocks > limits.num_blocks:
         raise InvalidRequestError(
             f"prompt of {len(ids)} tokens needs {blocks} KV blocks but the cache holds "

@@ -62,7 +62,7 @@ class Replica:
         self.executor = executor
         self.rank_info = executor.info()
         self.block_manager = BlockManager(plan.num_blocks, plan.block_size,
-                                          cfg.enable_prefix_caching)
+                                          cfg.enable_prefix_caching, cp=plan.cp)
         # cp > 1: prompts are split over context ranks on arrival, so they run whole
         scheduler = WholePromptScheduler if plan.cp > 1 else Scheduler
         self.scheduler = scheduler(self.block_manager, cfg.max_num_batched_tokens,

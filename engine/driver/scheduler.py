@@ -86,14 +86,18 @@ class Scheduler:
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
 
-    def build_batch(self, scheduled: list[tuple[Sequence, int]]) -> Batch:
+    def slots(self, seq: Sequence, start: int, end: int) -> list[int]:
+        """The cache slots of positions [start, end) of `seq`."""
         bs = self.blocks.block_size
+        return [seq.block_table[p // bs] * bs + p % bs for p in range(start, end)]
+
+    def build_batch(self, scheduled: list[tuple[Sequence, int]]) -> Batch:
         batch = Batch([], [], [0], [], [], [], [])
         for seq, n in scheduled:
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + n
             batch.token_ids += seq.token_ids[start:end]
             batch.positions += range(start, end)
-            batch.slot_mapping += [seq.block_table[p // bs] * bs + p % bs for p in range(start, end)]
+            batch.slot_mapping += self.slots(seq, start, end)
             batch.cu_seqlens_q.append(batch.cu_seqlens_q[-1] + n)
             batch.context_lens.append(end)
             batch.block_tables.append(seq.block_table)

@@ -4,7 +4,12 @@ The tracer observes the model from outside, with forward hooks on the modules th
 (linears, norms, rope, KV write, attention, collectives, the sampler). Nothing is registered
 while tracing is off, so an untraced (or compiled) model pays nothing. Each op is timed between
 device synchronisations, so the numbers are the op's own, not the queue's; an op's time excludes
-the ops nested in it (a row-parallel linear's all-reduce is its own record).
+the ops nested in it (a row-parallel linear's all-reduce is its own record; one started without
+waiting, under overlap_comm, records its launch: the wait is the step's exposed communication).
+
+An op's layer is read from its module's name (`layers.3.mlp.down_proj`), so ops are attributed
+whether or not the decoder layer's own forward runs (overlap_comm calls its parts directly); a
+module shared by every layer (the rotary embedding) takes the layer of the op before it.
 """
 from __future__ import annotations
 
@@ -27,7 +32,7 @@ OP_NAMES = {
     "norm": "final_norm", "lm_head": "lm_head", "gather": "gather_logits", "sampler": "sample",
 }
 _COLLECTIVES = ("all_reduce", "gather_logits")
-_LAYER = re.compile(r"^layers\.(\d+)$")
+_LAYER = re.compile(r"^layers\.(\d+)\.")
 
 
 @dataclass(slots=True)
@@ -59,8 +64,11 @@ class OpTracer:
 
     def __enter__(self) -> "OpTracer":
         for prefix, root in self._roots.items():
-            for name, module in root.named_modules(prefix=prefix):
-                self._attach(name, module)
+            names: dict[nn.Module, list[str]] = {}
+            for name, module in root.named_modules(prefix=prefix, remove_duplicate=False):
+                names.setdefault(module, []).append(name)
+            for module, [name, *others] in names.items():
+                self._attach(name, module, shared=bool(others))
         return self
 
     def __exit__(self, *exc) -> None:
@@ -69,27 +77,25 @@ class OpTracer:
         self._handles = []
         self.records.sort(key=lambda r: r.start_s)  # a nested op ends, so is recorded, first
 
-    def _attach(self, name: str, module: nn.Module) -> None:
-        layer = _LAYER.match(name)
-        if layer:
-            index = int(layer.group(1))
-            self._handles.append(module.register_forward_pre_hook(
-                lambda *_: setattr(self, "_layer", index)))
-            self._handles.append(module.register_forward_hook(
-                lambda *_: setattr(self, "_layer", -1)))
-            return
+    def _attach(self, name: str, module: nn.Module, shared: bool) -> None:
         op = OP_NAMES.get(name.rsplit(".", 1)[-1])
-        if op is not None:
-            self._handles.append(module.register_forward_pre_hook(self._begin))
-            self._handles.append(module.register_forward_hook(
-                lambda mod, args, _out: self._end(op, mod, args)))
+        if op is None:
+            return
+        in_layer = _LAYER.match(name)
+        layer = None if shared else int(in_layer.group(1)) if in_layer else -1
+        self._handles.append(module.register_forward_pre_hook(
+            lambda *_: self._begin(layer)))
+        self._handles.append(module.register_forward_hook(
+            lambda mod, args, _out: self._end(op, mod, args)))
 
     def _now(self) -> float:
         if self.cuda:
             torch.cuda.synchronize()
         return time.perf_counter()
 
-    def _begin(self, _module: nn.Module, _args: tuple) -> None:
+    def _begin(self, layer: int | None) -> None:
+        if layer is not None:  # None: a shared module, in the layer of the op before it
+            self._layer = layer
         self._open.append([self._now(), 0.0])
 
     def _end(self, op: str, module: nn.Module, args: tuple) -> None:

@@ -76,12 +76,13 @@ class WalkthroughReport:
     first_token: dict
     cache_savings: dict
     ttft: dict
+    comm: dict  # per phase: rank 0's collectives exposed (waited on) and in flight in all
 
     def to_dict(self) -> dict:
         return {"prompt": self.prompt, "model": self.model, "hardware": self.hardware.to_dict(),
                 "prefill": self.prefill.to_dict(), "decode": self.decode.to_dict(),
                 "kv_cache": self.kv_cache, "first_token": self.first_token,
-                "cache_savings": self.cache_savings, "ttft": self.ttft}
+                "cache_savings": self.cache_savings, "ttft": self.ttft, "comm": self.comm}
 
     def chrome_trace(self) -> dict:
         """Chrome/Perfetto trace events: one process per phase, one thread (timeline) per rank."""
@@ -126,7 +127,8 @@ def _model_section(llm) -> dict:
     return {"name": cfg.model, "layers": mc.num_layers, "hidden": mc.hidden_size,
             "heads": mc.num_heads, "kv_heads": mc.num_kv_heads, "head_dim": mc.head_dim,
             "ffn": mc.intermediate_size, "vocab": mc.vocab_size, "params": mc.num_params,
-            "dtype": str(cfg.torch_dtype).replace("torch.", ""), "tp": cfg.tp, "ranks": ranks}
+            "dtype": str(cfg.torch_dtype).replace("torch.", ""), "tp": cfg.tp, "cp": cfg.cp,
+            "ranks": ranks}
 
 
 def _kv_section(llm, out) -> dict:
@@ -184,6 +186,12 @@ def _ttft_parts(tokenize_s: float, step, prefill: Section, ttft_s: float) -> dic
     return {"total_s": tokenize_s + ttft_s, "parts": parts}
 
 
+def _comm(step) -> dict:
+    """Rank 0's communication in one step: `exposed_s` it spent blocked on collectives,
+    `total_s` they were in flight (more than exposed only when overlap_comm hides some)."""
+    return {"exposed_s": step.comm_exposed_s, "total_s": step.comm_total_s}
+
+
 def run_walkthrough(llm, prompt, hw: Hardware, decode_tokens: int = 8, top_k: int = 5) -> WalkthroughReport:
     """Prefill `prompt` once with tracing on, then one traced decode step, then the comparisons."""
     start = time.perf_counter()
@@ -203,4 +211,5 @@ def run_walkthrough(llm, prompt, hw: Hardware, decode_tokens: int = 8, top_k: in
         model=_model_section(llm), hardware=hw, prefill=prefill, decode=decode,
         kv_cache=_kv_section(llm, out), first_token=_first_token(llm, out, top_k),
         cache_savings=_cache_savings(llm, ids, decode_tokens),
-        ttft=_ttft_parts(tokenize_s, step, prefill, out.ttft_s))
+        ttft=_ttft_parts(tokenize_s, step, prefill, out.ttft_s),
+        comm={"prefill": _comm(step), "decode": _comm(decode_step)})

@@ -6,8 +6,9 @@ amount of causal attention work (early queries see few keys, late ones many). To
 after the prompt go to the ranks in turn: position p to rank p % cp.
 
 A rank keeps its positions' K/V compacted, in position order, in the first slots of the
-sequence's own block table (the driver allocates blocks for the whole sequence; a rank fills
-about 1/cp of them). Pure arithmetic, no torch: the driver-side tests and the ranks share it.
+sequence's own block table, and the driver gives a sequence only as many blocks as the rank
+holding most of it needs (`max_held`): each rank's pool holds ~1/cp of every sequence. Pure
+arithmetic, no torch: the driver (block counts) and the ranks (slots) share it.
 """
 from __future__ import annotations
 
@@ -44,6 +45,17 @@ def local_count(length: int, prompt_len: int, cp: int, c: int) -> int:
     if length > prompt_len:
         held += _turns_below(length, cp, c) - _turns_below(prompt_len, cp, c)
     return held
+
+
+def max_held(length: int, cp: int) -> int:
+    """The most positions of a `length`-token sequence any context rank holds, whatever part of
+    it was the prompt (a preempted sequence comes back as one longer prompt): of a P-token
+    prompt at most ceil(P/cp) (the 2·cp chunks' extra tokens go to the first ones, so no rank
+    gets two), of the positions dealt in turn after it at most ceil((length-P)/cp); together at
+    most ceil(length/cp) + 1, a bound some lengths reach."""
+    if cp == 1:
+        return length
+    return min(length, -(-length // cp) + 1)
 
 
 def local_slot(index: int, block_table: list[int], block_size: int) -> int:

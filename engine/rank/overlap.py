@@ -24,8 +24,7 @@ import torch
 
 from engine.rank.attention import StepContext
 from engine.rank.kernels.step_metadata import build_step_metadata
-from parallel import comm
-from parallel.gemm import linear
+from parallel.layers import RowParallelInFlight
 
 Step = tuple[list[int], list[int], list[list[int]], list[int]]  # cu_q, ctx lens, tables, slots
 
@@ -70,20 +69,6 @@ def make_split_context(batch, cache, kv_head_of_q: list[int], device: torch.devi
     return SplitContext(split, contexts)
 
 
-def _start_row_parallel(layer, x: torch.Tensor) -> "_RowParallelInFlight":
-    """A RowParallelLinear's local matmul, its all-reduce started, not awaited."""
-    return _RowParallelInFlight(comm.all_reduce_async(linear(x, layer.weight)), layer.bias)
-
-
-class _RowParallelInFlight:
-    def __init__(self, pending: comm.PendingAllReduce, bias: torch.Tensor | None):
-        self.pending, self.bias = pending, bias
-
-    def wait(self) -> torch.Tensor:
-        y = self.pending.wait()
-        return y if self.bias is None else y + self.bias
-
-
 def run_layers_split(model, token_ids: torch.Tensor, positions: torch.Tensor,
                      ctx: SplitContext) -> tuple[torch.Tensor, torch.Tensor]:
     """The decoder layers over both halves, interleaved; (hidden, residual) for all rows."""
@@ -91,17 +76,16 @@ def run_layers_split(model, token_ids: torch.Tensor, positions: torch.Tensor,
     x = model.embed_tokens(token_ids)  # one all-reduce for the whole step, not overlapped
     xs, residuals = [x[:m], x[m:]], [None, None]
     pos = (positions[:m], positions[m:])
-    in_flight: list[_RowParallelInFlight | None] = [None, None]
+    in_flight: list[RowParallelInFlight | None] = [None, None]
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         for h in (0, 1):
             if in_flight[h] is not None:
                 xs[h] = in_flight[h].wait()
             xs[h], residuals[h] = layer.input_layernorm(xs[h], residuals[h])
-            in_flight[h] = _start_row_parallel(attn.o_proj, attn.attend(pos[h], xs[h],
-                                                                        ctx.halves[h]))
+            in_flight[h] = attn.o_proj.start(attn.attend(pos[h], xs[h], ctx.halves[h]))
         for h in (0, 1):
             xs[h], residuals[h] = layer.post_attention_layernorm(in_flight[h].wait(), residuals[h])
-            in_flight[h] = _start_row_parallel(mlp.down_proj, mlp.act_fn(mlp.gate_up_proj(xs[h])))
+            in_flight[h] = mlp.down_proj.start(mlp.act_fn(mlp.gate_up_proj(xs[h])))
     xs = [p.wait() for p in in_flight]
     return torch.cat(xs), torch.cat(residuals)
