@@ -48,7 +48,7 @@ class LLM:
         # collected, and the finalizer releases its actors and placement groups
         self._core = EngineCore(
             lambda: [Replica(plan, cfg, ex) for ex in make_executors(plan, cfg, ckpt)],
-            cfg.retry_on_rank_failure)
+            cfg.retry_on_rank_failure, cfg.routing)
         self._finalizer = weakref.finalize(self, self._core.shutdown)
         # disaggregated prefill: what a KVHandle must match here, and the handles given out
         self._fingerprint = model_fingerprint(ckpt, plan.dtype, plan.block_size)

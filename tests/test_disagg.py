@@ -248,17 +248,23 @@ def test_smollm2_tp2_to_tp1(ray_cluster, smollm2_llm):
         assert _blocks_used(pre) == 0
 
 
-def test_prefix_affinity_routing_with_dp2(ray_cluster, uneven_path):
+@pytest.mark.parametrize("routing,second_pair_hits", [("prefix_affinity", [24, 24]),
+                                                      ("least_loaded", [0, 0])])
+def test_routing_with_dp2(ray_cluster, uneven_path, hf, routing, second_pair_hits):
     shared_a, shared_b = [7, 1, 4] * 8, [2, 9, 6] * 8  # 24 tokens each: 6 full blocks of 4
-    with LLM(uneven_path, dp=2, **SMALL) as llm:
-        # one batch: the first goes to replica 0, the second to the then less loaded replica 1
+    with LLM(uneven_path, dp=2, routing=routing, **SMALL) as llm:
+        # one batch, both replicas idle: the first goes to replica 0, the second to the then
+        # less loaded replica 1, whichever the routing
         llm.prefill([shared_a + [10], shared_b + [10]])
-        # least-loaded alone would send the first of these to replica 0 (a miss for b) and the
-        # second to replica 1 (a miss for a); each prefix's replica serves it instead
+        # idle again: least-loaded sends the first of these to replica 0 (a miss: b is cached on
+        # replica 1) and the second to replica 1 (a miss for a); prefix affinity sends each to
+        # the replica holding its prefix
         outs = llm.prefill([shared_b + [11, 12], shared_a + [11, 12]])
-        assert [o.cached_tokens for o in outs] == [24, 24]
+        assert [o.cached_tokens for o in outs] == second_pair_hits
         per_replica = [r["prefix_hit_tokens"] for r in llm.cache_stats()["replicas"]]
-        assert per_replica == [24, 24]
+        assert per_replica == second_pair_hits
+        # a lone prompt with dp=2 is served like any other
+        assert llm.generate([SHORT], GREEDY)[0].token_ids == hf_greedy(hf, SHORT, 6)
 
 
 def test_disagg_app_serves_a_stream_of_requests(uneven_path):

@@ -23,9 +23,11 @@ SHUT_DOWN = "this LLM was shut down; call restart() or create a new one"
 
 
 class EngineCore:
-    def __init__(self, start_replicas: Callable[[], list[Replica]], retry_on_rank_failure: bool):
+    def __init__(self, start_replicas: Callable[[], list[Replica]], retry_on_rank_failure: bool,
+                 routing: str):
         self._start_replicas = start_replicas
         self._retry = retry_on_rank_failure
+        self._prefix_affinity = routing == "prefix_affinity"  # else least loaded only
         self._wake = threading.Condition()
         self._control = threading.RLock()  # one restart or shutdown at a time
         self._inbox: deque[Sequence] = deque()
@@ -123,10 +125,12 @@ class EngineCore:
 
     def _route(self, seq: Sequence) -> None:
         """Prefix affinity: the replica already holding the longest cached prefix of the prompt
-        (its K/V need not be computed again); ties, and no hit anywhere, go to the least loaded."""
+        (its K/V need not be computed again); ties, and no hit anywhere, go to the least loaded
+        (the lowest index among equals). Least loaded: that alone."""
         def cost(i: int) -> tuple[int, int]:
             r = self.replicas[i]
-            return -r.block_manager.cached_prefix_tokens(seq.token_ids), r.load
+            cached = r.block_manager.cached_prefix_tokens(seq.token_ids) if self._prefix_affinity else 0
+            return -cached, r.load
 
         index = min(range(len(self.replicas)), key=cost) if len(self.replicas) > 1 else 0
         seq.replica = index
