@@ -126,8 +126,12 @@ class LLM:
         """Each generated token id as soon as its step ends."""
         [seq] = self._sequences([prompt], params)
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
-        seq.on_token = lambda token: loop.call_soon_threadsafe(queue.put_nowait, token)
-        seq.future.add_done_callback(lambda _: loop.call_soon_threadsafe(queue.put_nowait, None))
+
+        def post(item: int | None) -> None:  # from the step loop's thread
+            if not loop.is_closed():  # a reader that stopped early may have closed its loop
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+        seq.on_token = post
+        seq.future.add_done_callback(lambda _: post(None))
         self._core.submit([seq])
         try:
             while (token := await queue.get()) is not None:
