@@ -185,10 +185,12 @@ class LLM:
         return self._core.call(lambda: list(self._replica(replica).steps))
 
     def cache_stats(self) -> dict:
-        """Per replica: blocks used/free, prefix-cache hits, preemptions, per-rank KV bytes."""
+        """Per replica: blocks used/free, prefix-cache hits, preemptions, per-rank KV bytes; and
+        `kv_handles_pinned`, the exported handles whose blocks this engine still holds."""
         self._exports.sync()  # blocks of handles used, released or expired come back first
         out = self._core.call(lambda: [_replica_stats(r) for r in self._core.replicas])
-        return {"replicas": out, **out[0]} if len(out) == 1 else {"replicas": out}
+        pinned = {"kv_handles_pinned": self._exports.pinned_handles}
+        return {"replicas": out, **out[0], **pinned} if len(out) == 1 else {"replicas": out, **pinned}
 
     def read_kv(self, layer: int, block_table: list[int], length: int,
                 replica: int = 0) -> list[tuple]:

@@ -7,6 +7,7 @@ CPUs): ranks ask for half a CPU each so a tp=2 and a tp=3 engine fit side by sid
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import pickle
 import signal
@@ -157,6 +158,79 @@ def test_release_and_ttl_unpin_blocks(engines, uneven_path):
         with pytest.raises(InvalidRequestError, match="already expired"):
             dec.decode([out.kv])
     assert _blocks_used(dec) == 0
+
+
+def _object_census() -> tuple[int, int]:
+    """(objects in the object stores, entries in every process's reference table), summed over
+    the cluster's live nodes as each raylet reports them (`GetNodeStats`, what `ray memory`
+    reads; no dashboard needed). This observes Ray itself, not the engine's bookkeeping: the
+    store counts K/V an in-process source put, wherever the refs went; the reference tables
+    (driver, rank actors, lease table) count every ref still held, small objects kept inline by
+    their owner included, and the destination ranks' pull replies while they are alive."""
+    import ray
+    from ray._private.internal_api import node_stats
+
+    objects = refs = 0
+    for node in ray.nodes():
+        if node["Alive"]:
+            reply = node_stats(node["NodeManagerAddress"], node["NodeManagerPort"], True)
+            objects += reply.store_stats.num_local_objects
+            refs += sum(len(worker.object_refs) for worker in reply.core_workers_stats)
+    return objects, refs
+
+
+def _settles_to(expected: tuple[int, int] | None, timeout_s: float = 15.0) -> tuple[int, int]:
+    """The census once it equals `expected` (None: once it stops changing for a second); Ray
+    frees objects asynchronously. On timeout, the last reading."""
+    gc.collect()
+    deadline, last, since = time.monotonic() + timeout_s, _object_census(), time.monotonic()
+    while time.monotonic() < deadline:
+        if last == expected or (expected is None and time.monotonic() - since >= 1.0):
+            return last
+        time.sleep(0.2)
+        now = _object_census()
+        if now != last:
+            last, since = now, time.monotonic()
+    return last
+
+
+@pytest.mark.parametrize("src,dst", [(1, 2), (2, 1)])  # an in-process source that puts its
+def test_nothing_leaks(engines, uneven_path, src, dst):  # K/V; rank actors that serve pulls
+    """No object-store object, reference or pinned block outlives a handle that was decoded
+    (forwarded by pickle first, as a router would), released, or left to expire. The objects of
+    an in-process source live as long as a copy of its handle does (Ray's reference counting),
+    so each case drops its handles, as a caller does once it is done."""
+    dec = engines[dst]
+    with LLM(uneven_path, tp=src, kv_handle_ttl_s=1.0, **SMALL) as pre:
+        def pinned() -> tuple[int, int]:
+            stats = pre.cache_stats()
+            return stats["blocks_used"], stats["kv_handles_pinned"]
+
+        def decode_forwarded() -> None:
+            outs = pre.prefill([LONG, SHORT], export_kv=True)
+            dec.decode([pickle.loads(pickle.dumps(o.kv)) for o in outs], GREEDY)
+
+        pre.generate([SHORT])
+        base = _settles_to(None)
+        decode_forwarded()
+        # one entry more for good: the lease table's actor handle, made by the first export
+        base = (base[0], base[1] + 1)
+        assert _settles_to(base) == base and pinned() == (0, 0)
+        decode_forwarded()  # and nothing more on `pre`: its loop thread must not keep handles
+        assert _settles_to(base) == base and pinned() == (0, 0)
+        [out] = pre.prefill([LONG], export_kv=True)
+        assert pinned() == (5, 1)
+        if src == 1:  # the census sees the 2 layers x 3 KV heads put, and their refs
+            assert _object_census() == (base[0] + 6, base[1] + 6)
+        pre.release(out.kv)
+        del out
+        assert _settles_to(base) == base and pinned() == (0, 0)
+        outs = pre.prefill([LONG, SHORT], export_kv=True)
+        assert pinned() == (7, 2)
+        del outs
+        time.sleep(1.2)  # past kv_handle_ttl_s
+        assert _settles_to(base) == base and pinned() == (0, 0)
+    assert _blocks_used(dec) == 0 and dec.cache_stats()["kv_handles_pinned"] == 0
 
 
 def test_bad_handles_fail_cleanly(engines, hf, tiny_model_dir, uneven_path):

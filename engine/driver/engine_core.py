@@ -105,23 +105,30 @@ class EngineCore:
         self.replicas = []
 
     def _run(self) -> None:
-        while True:
-            with self._wake:
-                while not (self._stopping or self._inbox or self._calls or self._cancelled
-                           or self._has_work()):
-                    self._wake.wait()
-                if self._stopping:
-                    return
-                new, calls, cancelled = list(self._inbox), list(self._calls), list(self._cancelled)
-                self._inbox.clear(), self._calls.clear(), self._cancelled.clear()
-            for fn, done in calls:
-                _run_call(fn, done)
-            for seq in cancelled:
-                self._abort(seq)
-            for seq in new:
-                self._route(seq)
-            if self._has_work():
-                self._step()
+        while self._run_once():
+            pass
+
+    def _run_once(self) -> bool:
+        """One turn of the loop; False once stopping. What a turn took in (a call's result: a
+        KVHandle holding object references, say) is dropped when it returns, not kept alive
+        while the loop waits for the next event."""
+        with self._wake:
+            while not (self._stopping or self._inbox or self._calls or self._cancelled
+                       or self._has_work()):
+                self._wake.wait()
+            if self._stopping:
+                return False
+            new, calls, cancelled = list(self._inbox), list(self._calls), list(self._cancelled)
+            self._inbox.clear(), self._calls.clear(), self._cancelled.clear()
+        for fn, done in calls:
+            _run_call(fn, done)
+        for seq in cancelled:
+            self._abort(seq)
+        for seq in new:
+            self._route(seq)
+        if self._has_work():
+            self._step()
+        return True
 
     def _route(self, seq: Sequence) -> None:
         """Prefix affinity: the replica already holding the longest cached prefix of the prompt
