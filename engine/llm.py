@@ -128,8 +128,10 @@ class LLM:
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
 
         def post(item: int | None) -> None:  # from the step loop's thread
-            if not loop.is_closed():  # a reader that stopped early may have closed its loop
+            try:
                 loop.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:  # a reader that stopped early closed its loop: nobody listens
+                pass
         seq.on_token = post
         seq.future.add_done_callback(lambda _: post(None))
         self._core.submit([seq])
