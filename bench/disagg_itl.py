@@ -106,7 +106,8 @@ def colocated(model: str, layout: str, work: Workload, settings: dict) -> Result
 
 
 def disaggregated(model: str, work: Workload, settings: dict) -> Result:
-    with LLM(model, executor="ray", **settings) as pre, LLM(model, executor="ray", **settings) as dec:
+    settings = dict(settings, executor="ray")  # each rank in its own process, as colocated
+    with LLM(model, **settings) as pre, LLM(model, **settings) as dec:
         _warm_up(pre, work.long_len)
         _warm_up(dec, work.long_len)
         route(pre, dec, random_ids(work.long_len, pre.model_config.vocab_size, seed=7),
@@ -174,7 +175,8 @@ def main() -> None:
     print(f"# {' '.join(['python -m bench.disagg_itl', *sys.argv[1:]])}")
     layout = "dp=2 tp=1" if args.colocated == "dp" else "tp=2"
     rows = [_row(f"colocated ({layout})", colocated(args.model, args.colocated, work, settings)),
-            _row("disaggregated (prefill tp=1 + decode tp=1)", disaggregated(args.model, work, settings))]
+            _row("disaggregated (prefill tp=1 + decode tp=1)",
+                 disaggregated(args.model, work, settings))]
     report(rows)
 
 

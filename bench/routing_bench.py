@@ -74,7 +74,8 @@ def main() -> None:
         print(f"| {r['routing']} | {r['hit_rate']:.1%} | {r['ttft_p50'] * 1e3:.0f} | "
               f"{r['ttft_mean'] * 1e3:.0f} | {r['ttft_max'] * 1e3:.0f} |")
     aff, least = rows
-    print(f"prefix_affinity / least_loaded: hit rate {aff['hit_rate'] / max(least['hit_rate'], 1e-9):.2f}x, "
+    hits = aff["hit_rate"] / max(least["hit_rate"], 1e-9)
+    print(f"prefix_affinity / least_loaded: hit rate {hits:.2f}x, "
           f"TTFT p50 {aff['ttft_p50'] / least['ttft_p50']:.2f}x, "
           f"TTFT mean {aff['ttft_mean'] / least['ttft_mean']:.2f}x")
 

@@ -136,8 +136,9 @@ class EngineCore:
         (the lowest index among equals). Least loaded: that alone."""
         def cost(i: int) -> tuple[int, int]:
             r = self.replicas[i]
-            cached = r.block_manager.cached_prefix_tokens(seq.token_ids) if self._prefix_affinity else 0
-            return -cached, r.load
+            if not self._prefix_affinity:
+                return 0, r.load
+            return -r.block_manager.cached_prefix_tokens(seq.token_ids), r.load
 
         index = min(range(len(self.replicas)), key=cost) if len(self.replicas) > 1 else 0
         seq.replica = index
