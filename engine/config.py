@@ -11,6 +11,9 @@ import torch
 
 from engine.errors import ConfigError
 
+# prefix_affinity: the replica holding the longest cached prefix of the prompt, ties to the least
+# loaded; least_loaded: the replica with the fewest requests waiting or running
+ROUTINGS = ("prefix_affinity", "least_loaded")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -30,6 +33,7 @@ class EngineConfig:
     cpus_per_rank: float = 1.0  # Ray logical CPUs one rank actor asks for (fractions share cores)
     overlap_comm: bool = False  # two micro-batches a step: one's all-reduce behind the other
     cp: int = 1  # context-parallel ranks per replica: a replica is tp x cp rank actors
+    routing: str = "prefix_affinity"  # dp > 1: which replica takes a request (see ROUTINGS)
     # engine.*
     device: str = "cpu"
     dtype: str | None = None  # None: float32 on CPU, bfloat16 on CUDA
@@ -85,6 +89,8 @@ class EngineConfig:
         for name in ("ray_address", "socket_ifname"):
             value = getattr(self, name)
             _require(value is None or isinstance(value, str), f"{name}={value!r}: use None or text")
+        _require(self.routing in ROUTINGS,
+                 f"routing={self.routing!r}: use one of {', '.join(map(repr, ROUTINGS))}")
         _require(self.executor in ("auto", "ray"),
                  f"executor={self.executor!r}: use 'auto' or 'ray'")
         _check_device(self.device)

@@ -48,7 +48,7 @@ class LLM:
         # collected, and the finalizer releases its actors and placement groups
         self._core = EngineCore(
             lambda: [Replica(plan, cfg, ex) for ex in make_executors(plan, cfg, ckpt)],
-            cfg.retry_on_rank_failure)
+            cfg.retry_on_rank_failure, cfg.routing)
         self._finalizer = weakref.finalize(self, self._core.shutdown)
         # disaggregated prefill: what a KVHandle must match here, and the handles given out
         self._fingerprint = model_fingerprint(ckpt, plan.dtype, plan.block_size)
@@ -126,8 +126,14 @@ class LLM:
         """Each generated token id as soon as its step ends."""
         [seq] = self._sequences([prompt], params)
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
-        seq.on_token = lambda token: loop.call_soon_threadsafe(queue.put_nowait, token)
-        seq.future.add_done_callback(lambda _: loop.call_soon_threadsafe(queue.put_nowait, None))
+
+        def post(item: int | None) -> None:  # from the step loop's thread
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:  # a reader that stopped early closed its loop: nobody listens
+                pass
+        seq.on_token = post
+        seq.future.add_done_callback(lambda _: post(None))
         self._core.submit([seq])
         try:
             while (token := await queue.get()) is not None:
@@ -182,10 +188,12 @@ class LLM:
         return self._core.call(lambda: list(self._replica(replica).steps))
 
     def cache_stats(self) -> dict:
-        """Per replica: blocks used/free, prefix-cache hits, preemptions, per-rank KV bytes."""
+        """Per replica: blocks used/free, prefix-cache hits, preemptions, per-rank KV bytes; and
+        `kv_handles_pinned`, the exported handles whose blocks this engine still holds."""
         self._exports.sync()  # blocks of handles used, released or expired come back first
         out = self._core.call(lambda: [_replica_stats(r) for r in self._core.replicas])
-        return {"replicas": out, **out[0]} if len(out) == 1 else {"replicas": out}
+        pinned = {"kv_handles_pinned": self._exports.pinned_handles}
+        return {"replicas": out, **out[0], **pinned} if len(out) == 1 else {"replicas": out, **pinned}
 
     def read_kv(self, layer: int, block_table: list[int], length: int,
                 replica: int = 0) -> list[tuple]:

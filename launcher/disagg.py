@@ -28,8 +28,10 @@ def _engine(cfg: DictConfig, group: DictConfig) -> LLM:
     return LLM(cfg.model.path, **settings)
 
 
-def _serve(prefiller: LLM, decoder: LLM, prompt: list[int], params: SamplingParams,
-           arrive_at: float) -> dict:
+def route(prefiller: LLM, decoder: LLM, prompt: list[int], params: SamplingParams,
+          arrive_at: float) -> dict:
+    """One request at `arrive_at` (perf_counter): prefill it, hand its KVHandle to the decoder.
+    TTFT is the prefill's (its first token comes back with the handle)."""
     time.sleep(max(0.0, arrive_at - time.perf_counter()))
     start = time.perf_counter()
     [out] = prefiller.prefill([prompt], params, export_kv=True)
@@ -52,7 +54,7 @@ def run(cfg: DictConfig, console: Console) -> dict:
         t0 = time.perf_counter()
         arrivals = [t0 + sum(gaps[:i + 1]) for i in range(len(prompts))]
         with concurrent.futures.ThreadPoolExecutor(max_workers=len(prompts)) as pool:
-            rows = list(pool.map(lambda a: _serve(prefiller, decoder, *a),
+            rows = list(pool.map(lambda a: route(prefiller, decoder, *a),
                                  [(p, params, t) for p, t in zip(prompts, arrivals)]))
         wall = time.perf_counter() - t0
     result = {"prefill": dict(cfg.prefill), "decode": dict(cfg.decode), "requests": rows,

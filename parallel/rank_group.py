@@ -59,7 +59,9 @@ class RankGroupError(RuntimeError):
     """A rank died, hung or failed: the message names the rank, its node and what to do."""
 
 
-@ray.remote
+# "peer": calls from outside the group (another engine's ranks reading this one's data) run on
+# their own thread, beside the group's own calls, which stay one at a time and in order
+@ray.remote(concurrency_groups={"peer": 1})
 class _RankActor:
     """Hosts one rank: joins the process group, then builds and drives the worker."""
 
@@ -89,6 +91,13 @@ class _RankActor:
         self._worker = factory(*args, rank=self._rank, world_size=self._world_size, **kwargs)
 
     def invoke(self, method: str, payload: tuple[tuple, dict]) -> Any:
+        args, kwargs = payload
+        return getattr(self._worker, method)(*args, **kwargs)
+
+    @ray.method(concurrency_group="peer")
+    def invoke_beside(self, method: str, payload: tuple[tuple, dict]) -> Any:
+        """`invoke`, but without waiting for the call in flight (a step can take seconds); only
+        for worker methods safe to run beside any other (e.g. reading data no step writes)."""
         args, kwargs = payload
         return getattr(self._worker, method)(*args, **kwargs)
 

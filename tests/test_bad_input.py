@@ -108,6 +108,9 @@ def test_unsupported_architecture(tiny_model_dir, tmp_path):
     ({"block_size": 0}, "block_size=0"),
     ({"not_a_setting": 1}, "unknown engine setting"),
     ({"device": "tpu"}, "device='tpu'"),
+    ({"routing": "prefix-affinity"}, "routing='prefix-affinity': use one of 'prefix_affinity', "
+                                     "'least_loaded'"),
+    ({"routing": None}, "routing=None"),
 ])
 def test_bad_engine_settings(tiny_model_dir, settings, match):
     with pytest.raises(ConfigError, match=match):

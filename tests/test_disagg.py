@@ -7,6 +7,7 @@ CPUs): ranks ask for half a CPU each so a tp=2 and a tp=3 engine fit side by sid
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import pickle
 import signal
@@ -159,6 +160,79 @@ def test_release_and_ttl_unpin_blocks(engines, uneven_path):
     assert _blocks_used(dec) == 0
 
 
+def _object_census() -> tuple[int, int]:
+    """(objects in the object stores, entries in every process's reference table), summed over
+    the cluster's live nodes as each raylet reports them (`GetNodeStats`, what `ray memory`
+    reads; no dashboard needed). This observes Ray itself, not the engine's bookkeeping: the
+    store counts K/V an in-process source put, wherever the refs went; the reference tables
+    (driver, rank actors, lease table) count every ref still held, small objects kept inline by
+    their owner included, and the destination ranks' pull replies while they are alive."""
+    import ray
+    from ray._private.internal_api import node_stats
+
+    objects = refs = 0
+    for node in ray.nodes():
+        if node["Alive"]:
+            reply = node_stats(node["NodeManagerAddress"], node["NodeManagerPort"], True)
+            objects += reply.store_stats.num_local_objects
+            refs += sum(len(worker.object_refs) for worker in reply.core_workers_stats)
+    return objects, refs
+
+
+def _settles_to(expected: tuple[int, int] | None, timeout_s: float = 15.0) -> tuple[int, int]:
+    """The census once it equals `expected` (None: once it stops changing for a second); Ray
+    frees objects asynchronously. On timeout, the last reading."""
+    gc.collect()
+    deadline, last, since = time.monotonic() + timeout_s, _object_census(), time.monotonic()
+    while time.monotonic() < deadline:
+        if last == expected or (expected is None and time.monotonic() - since >= 1.0):
+            return last
+        time.sleep(0.2)
+        now = _object_census()
+        if now != last:
+            last, since = now, time.monotonic()
+    return last
+
+
+@pytest.mark.parametrize("src,dst", [(1, 2), (2, 1)])  # an in-process source that puts its
+def test_nothing_leaks(engines, uneven_path, src, dst):  # K/V; rank actors that serve pulls
+    """No object-store object, reference or pinned block outlives a handle that was decoded
+    (forwarded by pickle first, as a router would), released, or left to expire. The objects of
+    an in-process source live as long as a copy of its handle does (Ray's reference counting),
+    so each case drops its handles, as a caller does once it is done."""
+    dec = engines[dst]
+    with LLM(uneven_path, tp=src, kv_handle_ttl_s=1.0, **SMALL) as pre:
+        def pinned() -> tuple[int, int]:
+            stats = pre.cache_stats()
+            return stats["blocks_used"], stats["kv_handles_pinned"]
+
+        def decode_forwarded() -> None:
+            outs = pre.prefill([LONG, SHORT], export_kv=True)
+            dec.decode([pickle.loads(pickle.dumps(o.kv)) for o in outs], GREEDY)
+
+        pre.generate([SHORT])
+        base = _settles_to(None)
+        decode_forwarded()
+        # one entry more for good: the lease table's actor handle, made by the first export
+        base = (base[0], base[1] + 1)
+        assert _settles_to(base) == base and pinned() == (0, 0)
+        decode_forwarded()  # and nothing more on `pre`: its loop thread must not keep handles
+        assert _settles_to(base) == base and pinned() == (0, 0)
+        [out] = pre.prefill([LONG], export_kv=True)
+        assert pinned() == (5, 1)
+        if src == 1:  # the census sees the 2 layers x 3 KV heads put, and their refs
+            assert _object_census() == (base[0] + 6, base[1] + 6)
+        pre.release(out.kv)
+        del out
+        assert _settles_to(base) == base and pinned() == (0, 0)
+        outs = pre.prefill([LONG, SHORT], export_kv=True)
+        assert pinned() == (7, 2)
+        del outs
+        time.sleep(1.2)  # past kv_handle_ttl_s
+        assert _settles_to(base) == base and pinned() == (0, 0)
+    assert _blocks_used(dec) == 0 and dec.cache_stats()["kv_handles_pinned"] == 0
+
+
 def test_bad_handles_fail_cleanly(engines, hf, tiny_model_dir, uneven_path):
     pre, dec = engines[2], engines[1]
     [out] = pre.prefill([LONG], export_kv=True)
@@ -248,17 +322,23 @@ def test_smollm2_tp2_to_tp1(ray_cluster, smollm2_llm):
         assert _blocks_used(pre) == 0
 
 
-def test_prefix_affinity_routing_with_dp2(ray_cluster, uneven_path):
+@pytest.mark.parametrize("routing,second_pair_hits", [("prefix_affinity", [24, 24]),
+                                                      ("least_loaded", [0, 0])])
+def test_routing_with_dp2(ray_cluster, uneven_path, hf, routing, second_pair_hits):
     shared_a, shared_b = [7, 1, 4] * 8, [2, 9, 6] * 8  # 24 tokens each: 6 full blocks of 4
-    with LLM(uneven_path, dp=2, **SMALL) as llm:
-        # one batch: the first goes to replica 0, the second to the then less loaded replica 1
+    with LLM(uneven_path, dp=2, routing=routing, **SMALL) as llm:
+        # one batch, both replicas idle: the first goes to replica 0, the second to the then
+        # less loaded replica 1, whichever the routing
         llm.prefill([shared_a + [10], shared_b + [10]])
-        # least-loaded alone would send the first of these to replica 0 (a miss for b) and the
-        # second to replica 1 (a miss for a); each prefix's replica serves it instead
+        # idle again: least-loaded sends the first of these to replica 0 (a miss: b is cached on
+        # replica 1) and the second to replica 1 (a miss for a); prefix affinity sends each to
+        # the replica holding its prefix
         outs = llm.prefill([shared_b + [11, 12], shared_a + [11, 12]])
-        assert [o.cached_tokens for o in outs] == [24, 24]
+        assert [o.cached_tokens for o in outs] == second_pair_hits
         per_replica = [r["prefix_hit_tokens"] for r in llm.cache_stats()["replicas"]]
-        assert per_replica == [24, 24]
+        assert per_replica == second_pair_hits
+        # a lone prompt with dp=2 is served like any other
+        assert llm.generate([SHORT], GREEDY)[0].token_ids == hf_greedy(hf, SHORT, 6)
 
 
 def test_disagg_app_serves_a_stream_of_requests(uneven_path):

@@ -23,9 +23,11 @@ SHUT_DOWN = "this LLM was shut down; call restart() or create a new one"
 
 
 class EngineCore:
-    def __init__(self, start_replicas: Callable[[], list[Replica]], retry_on_rank_failure: bool):
+    def __init__(self, start_replicas: Callable[[], list[Replica]], retry_on_rank_failure: bool,
+                 routing: str):
         self._start_replicas = start_replicas
         self._retry = retry_on_rank_failure
+        self._prefix_affinity = routing == "prefix_affinity"  # else least loaded only
         self._wake = threading.Condition()
         self._control = threading.RLock()  # one restart or shutdown at a time
         self._inbox: deque[Sequence] = deque()
@@ -103,29 +105,39 @@ class EngineCore:
         self.replicas = []
 
     def _run(self) -> None:
-        while True:
-            with self._wake:
-                while not (self._stopping or self._inbox or self._calls or self._cancelled
-                           or self._has_work()):
-                    self._wake.wait()
-                if self._stopping:
-                    return
-                new, calls, cancelled = list(self._inbox), list(self._calls), list(self._cancelled)
-                self._inbox.clear(), self._calls.clear(), self._cancelled.clear()
-            for fn, done in calls:
-                _run_call(fn, done)
-            for seq in cancelled:
-                self._abort(seq)
-            for seq in new:
-                self._route(seq)
-            if self._has_work():
-                self._step()
+        while self._run_once():
+            pass
+
+    def _run_once(self) -> bool:
+        """One turn of the loop; False once stopping. What a turn took in (a call's result: a
+        KVHandle holding object references, say) is dropped when it returns, not kept alive
+        while the loop waits for the next event."""
+        with self._wake:
+            while not (self._stopping or self._inbox or self._calls or self._cancelled
+                       or self._has_work()):
+                self._wake.wait()
+            if self._stopping:
+                return False
+            new, calls, cancelled = list(self._inbox), list(self._calls), list(self._cancelled)
+            self._inbox.clear(), self._calls.clear(), self._cancelled.clear()
+        for fn, done in calls:
+            _run_call(fn, done)
+        for seq in cancelled:
+            self._abort(seq)
+        for seq in new:
+            self._route(seq)
+        if self._has_work():
+            self._step()
+        return True
 
     def _route(self, seq: Sequence) -> None:
         """Prefix affinity: the replica already holding the longest cached prefix of the prompt
-        (its K/V need not be computed again); ties, and no hit anywhere, go to the least loaded."""
+        (its K/V need not be computed again); ties, and no hit anywhere, go to the least loaded
+        (the lowest index among equals). Least loaded: that alone."""
         def cost(i: int) -> tuple[int, int]:
             r = self.replicas[i]
+            if not self._prefix_affinity:
+                return 0, r.load
             return -r.block_manager.cached_prefix_tokens(seq.token_ids), r.load
 
         index = min(range(len(self.replicas)), key=cost) if len(self.replicas) > 1 else 0

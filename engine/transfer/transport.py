@@ -98,7 +98,9 @@ class RayTransport(KVTransport):
         layers = cache.data.shape[1]
         step = -(-layers // LAYER_CHUNKS)
         chunks = [(a, min(a + step, layers)) for a in range(0, layers, step)]
-        refs = [source.actor.invoke.remote(
+        # beside the source's own steps: a busy prefill engine must not hold up the pull (the
+        # destination's decode loop waits on it); pinned blocks are never written by a step
+        refs = [source.actor.invoke_beside.remote(
             "read_kv_heads", ((list(source.block_table), length, heads, c), {})) for c in chunks]
         for chunk, ref in zip(chunks, refs):
             yield chunk, _as_tensor(ray.get(ref, timeout=_left(deadline)),
