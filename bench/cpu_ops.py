@@ -1,8 +1,9 @@
 """The CPU choices the engine makes, measured side by side on this machine: the projections
 through torch's default matmul (`F.linear`, MKL on x86) against oneDNN (`parallel.gemm`), and
-causal attention with grouped KV heads shared inside SDPA (`enable_gqa`) against KV heads
-repeated up front. SmolLM2-135M's shapes (hidden 576, FFN 1536, 9 query / 3 KV heads of 64).
-Runs alternate; the fastest of each is kept.
+a prompt's causal attention through torch's SDPA (its CPU flash kernel, grouped KV heads
+shared with `enable_gqa`) against the engine's blocked attention (engine/rank/blocked_attention,
+which the engine uses for bf16 prompts). SmolLM2-135M's shapes (hidden 576, FFN 1536, 9 query /
+3 KV heads of 64). Runs alternate; the fastest of each is kept.
 
     .venv/bin/python -m bench.cpu_ops
 """
@@ -16,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import machine
+from engine.rank.blocked_attention import blocked_causal_attention
 from parallel.gemm import linear
 
 PROJECTIONS = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down
@@ -47,15 +49,16 @@ def projections(rows: int, dtype: torch.dtype, repeats: int) -> dict[str, float]
 
 
 def attention(q_len: int, kv_len: int, dtype: torch.dtype, repeats: int) -> dict[str, float]:
-    q = torch.randn(1, HEADS, q_len, HEAD_DIM, dtype=dtype)
-    k, v = (torch.randn(1, KV_HEADS, kv_len, HEAD_DIM, dtype=dtype) for _ in range(2))
-    group = HEADS // KV_HEADS
-    causal = q_len > 1
+    """The last q_len queries of a kv_len context (q_len < kv_len: a chunk after a prefix)."""
+    q = torch.randn(q_len, HEADS, HEAD_DIM, dtype=dtype)
+    k, v = (torch.randn(kv_len, KV_HEADS, HEAD_DIM, dtype=dtype) for _ in range(2))
+    mask = None if q_len == kv_len else (
+        torch.arange(kv_len)[None, :] <= torch.arange(kv_len - q_len, kv_len)[:, None])
+    qs, ks, vs = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
     t = fastest({
-        "enable_gqa": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal,
-                                                             enable_gqa=True),
-        "repeated KV": lambda: F.scaled_dot_product_attention(
-            q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), is_causal=causal),
+        "SDPA": lambda: F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask,
+                                                       is_causal=mask is None, enable_gqa=True),
+        "blocked": lambda: blocked_causal_attention(q, k, v, HEAD_DIM ** -0.5),
     }, repeats)
     return {name: s * 1e3 for name, s in t.items()}
 
@@ -72,12 +75,12 @@ def main() -> None:
             r = projections(rows, getattr(torch, dtype), args.repeats)
             print(f"{dtype + f', {rows} rows':<24} {r['F.linear']:>17.1f} {r['oneDNN']:>15.1f} "
                   f"{r['oneDNN'] / r['F.linear']:>17.2f}x")
-    print(f"{'causal attention':<24} {'enable_gqa ms':>17} {'repeated KV ms':>15} {'speed-up of repeat':>18}")
+    print(f"{'prompt attention q/kv':<24} {'SDPA ms':>17} {'blocked ms':>15} {'SDPA / blocked':>18}")
     for dtype in args.dtypes:
-        for q_len, kv_len in ((128, 128), (512, 512), (2048, 2048), (1, 256), (1, 2048)):
+        for q_len, kv_len in ((128, 128), (512, 512), (2048, 2048), (512, 2048)):
             r = attention(q_len, kv_len, getattr(torch, dtype), args.repeats)
-            print(f"{dtype + f', {q_len}/{kv_len}':<24} {r['enable_gqa']:>17.3f} "
-                  f"{r['repeated KV']:>15.3f} {r['enable_gqa'] / r['repeated KV']:>17.2f}x")
+            print(f"{dtype + f', {q_len}/{kv_len}':<24} {r['SDPA']:>17.3f} "
+                  f"{r['blocked']:>15.3f} {r['SDPA'] / r['blocked']:>17.2f}x")
 
 
 if __name__ == "__main__":

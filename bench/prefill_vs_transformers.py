@@ -28,7 +28,7 @@ def main() -> None:
     hf = hf_model(str(resolve_model(args.model)), dtype)
     llm = LLM(args.model, dtype=args.dtype, enable_prefix_caching=False,
               max_num_batched_tokens=max(args.lengths), compile=args.compile)
-    peak = measure("cpu", dtype).flops
+    peak = measure("cpu", dtype).peak_flops
     print(f"{machine()}; dtype={args.dtype} model={args.model} compile={args.compile}; "
           f"best of {args.repeats}, alternating; {args.dtype} matmul peak measured here "
           f"{peak / 1e9:.0f} GFLOP/s (1024² through the engine's matmul)")

@@ -19,6 +19,7 @@ from engine.rank.attention import StepContext
 from engine.rank.backend import select_backend
 from engine.rank.compiled import CompiledLayers, warm_up
 from engine.rank.decode_weights import DecodeWeights
+from engine.rank.host_memory import keep_freed_memory
 from engine.rank.kernels.step_metadata import build_step_metadata
 from engine.rank.kv_cache import KVCache
 from engine.rank.model import CausalLM
@@ -47,6 +48,8 @@ class Worker:
         self.device = torch.device(plan.device)
         if plan.on_cuda:  # a Ray actor sees its own GPU as device 0
             torch.cuda.set_device(self.device)
+        else:
+            keep_freed_memory()
         self.shard = shard = plan.shard(rank % plan.world_size)  # rank in its TP group
         backend = select_backend(plan.backend, plan.device)
         # cp > 1: TP/CP sub-groups, and the split-by-position KV store and attention

@@ -1,0 +1,32 @@
+"""A CPU rank keeps freed activation memory for reuse instead of handing it back to the OS.
+
+glibc serves a request above its mmap threshold with fresh pages and unmaps them when the
+block is freed, so a prompt's temporaries (megabytes each: projections' outputs, attention
+scores, allocated and freed in every layer) fault in new pages on every first touch. Raising
+the threshold, and the trim threshold above it, makes them reuse heap memory: a bf16 blocked
+attention of 2048 tokens ran in 14 ms instead of 19 ms (AVX512-BF16 EPYC, 2 threads). The
+cost: a rank process keeps up to TRIM_THRESHOLD of freed memory mapped after a large step.
+The setting is process-wide: with one in-process rank it applies to the caller's process.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import sys
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameters (malloc.h)
+MMAP_THRESHOLD = 32 * 2**20  # glibc's largest allowed value on 64-bit
+TRIM_THRESHOLD = 2**30
+
+
+def keep_freed_memory() -> bool:
+    """Apply the thresholds above (glibc on Linux); False where there is no such allocator."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # musl and other C libraries have no mallopt
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and \
+        bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD))
