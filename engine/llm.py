@@ -15,7 +15,7 @@ from typing import AsyncIterator, Iterator, Sequence as Seq
 from engine.config import EngineConfig
 from engine.driver import scoring
 from engine.driver.engine_core import SHUT_DOWN, EngineCore
-from engine.driver.executor import make_executors
+from engine.driver.executor import connect_if_needed, make_executors
 from engine.driver.outputs import GenerateOutput, PrefillOutput, ScoreOutput
 from engine.driver.prompts import Prompt, PromptLimits, as_prompt_list, prompt_token_ids
 from engine.driver.replica import Replica, StepTiming
@@ -46,6 +46,7 @@ class LLM:
                                     plan.num_blocks, plan.cp)
         # the core never refers back to this object, so an LLM dropped without shutdown() is
         # collected, and the finalizer releases its actors and placement groups
+        connect_if_needed(cfg)
         self._core = EngineCore(
             lambda: [Replica(plan, cfg, ex) for ex in make_executors(plan, cfg, ckpt)],
             cfg.retry_on_rank_failure, cfg.routing)

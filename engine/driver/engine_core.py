@@ -37,7 +37,7 @@ class EngineCore:
         self._failure: str | None = None
         self._stopping = False
         self._thread: threading.Thread | None = None
-        self.replicas = start_replicas()
+        self.replicas: list[Replica] = []
         self._start_loop()
 
     # ---- from any thread ---------------------------------------------------------------------
@@ -72,7 +72,6 @@ class EngineCore:
     def restart(self) -> None:
         with self._control:
             self._stop(RankFailure("the engine was restarted while this request ran; submit it again"))
-            self.replicas = self._start_replicas()
             self._start_loop()
 
     def shutdown(self) -> None:
@@ -82,9 +81,19 @@ class EngineCore:
     # ---- the loop ----------------------------------------------------------------------------
 
     def _start_loop(self) -> None:
+        """Start the loop thread, which builds the replicas before its first turn; returns once
+        they are up (or raises what building them raised)."""
         self._failure, self._stopping = None, False
-        self._thread = threading.Thread(target=self._run, name="engine-step-loop", daemon=True)
+        built: Future = Future()
+        self._thread = threading.Thread(target=self._run, args=(built,), name="engine-step-loop",
+                                        daemon=True)
         self._thread.start()
+        try:
+            built.result()
+        except BaseException:
+            self._thread.join()
+            self._thread = None
+            raise
 
     def _stop(self, error: EngineError) -> None:
         with self._wake:
@@ -104,7 +113,17 @@ class EngineCore:
             r.executor.shutdown()
         self.replicas = []
 
-    def _run(self) -> None:
+    def _run(self, built: Future) -> None:
+        # The ranks are built on the thread that steps them. An in-process CPU rank's OpenMP
+        # team then lives on this one thread: a second team in the process (say, the caller's,
+        # left over from loading the weights) makes libgomp stop spinning between parallel
+        # regions, and a decode step ran ~45 % slower (BENCHMARKS.md).
+        try:
+            self.replicas = self._start_replicas()
+        except BaseException as e:  # noqa: BLE001  raised again in the thread that asked
+            built.set_exception(e)
+            return
+        built.set_result(None)
         while self._run_once():
             pass
 

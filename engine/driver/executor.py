@@ -127,9 +127,22 @@ class RayExecutor(Executor):
         self.group.shutdown()
 
 
+def uses_ray(cfg: EngineConfig) -> bool:
+    return not (cfg.tp == 1 and cfg.cp == 1 and cfg.dp == 1 and cfg.executor == "auto")
+
+
+def connect_if_needed(cfg: EngineConfig) -> None:
+    """Join or start the Ray cluster the ranks will need, from the calling thread (Ray installs
+    its signal handlers only from the main thread)."""
+    if uses_ray(cfg):
+        from parallel import cluster
+
+        cluster.connect(cfg.ray_address)
+
+
 def make_executors(plan: EnginePlan, cfg: EngineConfig, checkpoint: Checkpoint) -> list[Executor]:
     """One executor per data-parallel replica."""
-    if cfg.tp == 1 and cfg.cp == 1 and cfg.dp == 1 and cfg.executor == "auto":
+    if not uses_ray(cfg):
         return [InProcessExecutor(plan, checkpoint)]
     from parallel import cluster
 
