@@ -1,6 +1,7 @@
 """Decode speed of the engine next to transformers `generate`, same weights, threads and dtype:
 a 256-token prompt, 64 greedy tokens, identical tokens checked; and the rate at which decode
-reads the weights, as a share of this machine's read bandwidth measured in the same run. A
+reads the weights, as a share of this machine's read bandwidth measured in the same run.
+transformers runs in a process of its own (bench.baseline_process says why). A
 float32 run also times the engine with decode_dtype="bfloat16" (bf16 copies of the weights
 for decode steps) and says from which token on, if any, its tokens differ.
 
@@ -16,7 +17,7 @@ import torch
 from bench.common import best_of, machine, random_ids
 from engine import LLM, SamplingParams
 from engine.loading.checkpoint import resolve_model
-from launcher.baseline import hf_model
+from bench.baseline_process import BaselineProcess
 
 
 def read_bandwidth() -> float:
@@ -49,27 +50,29 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = ap.parse_args()
-    hf = hf_model(str(resolve_model("smollm2")), getattr(torch, args.dtype))
-    engines = {"engine": LLM("smollm2", dtype=args.dtype, enable_prefix_caching=False)}
+    hf = BaselineProcess(str(resolve_model("smollm2")), args.dtype, torch.get_num_threads())
+    settings = {"engine": dict(dtype=args.dtype)}
     if args.dtype == "float32":
-        engines["engine, bf16 decode weights"] = LLM("smollm2", enable_prefix_caching=False,
-                                                     decode_dtype="bfloat16")
-    ids = random_ids(args.prompt_len, engines["engine"].model_config.vocab_size, seed=1)
-    weight_bytes = sum(i.weight_bytes for i in engines["engine"].rank_info())
-    best, tokens = {name: float("inf") for name in engines} | {"hf": float("inf")}, {}
-    for _ in range(args.repeats):  # alternate, so a slow spell hits all alike
-        for name, llm in engines.items():
-            s, tokens[name] = engine_decode_s(llm, ids, args.tokens)
-            best[name] = min(best[name], s)
-        s, tokens["hf"] = hf_decode_s(hf, ids, args.tokens)
-        best["hf"] = min(best["hf"], s)
-    for llm in engines.values():
-        llm.shutdown()
+        settings["engine, bf16 decode weights"] = dict(decode_dtype="bfloat16")
+    best, tokens = {name: float("inf") for name in settings} | {"hf": float("inf")}, {}
+    for name, extra in settings.items():
+        # one engine at a time: each has its own step-loop thread, and two of them in a process
+        # would slow each other down as transformers would (bench.baseline_process)
+        with LLM("smollm2", enable_prefix_caching=False, **extra) as llm:
+            ids = random_ids(args.prompt_len, llm.model_config.vocab_size, seed=1)
+            if name == "engine":  # the model's own weights (a bf16 copy adds to the other's)
+                weight_bytes = sum(i.weight_bytes for i in llm.rank_info())
+            for _ in range(args.repeats):  # alternate, so a slow spell hits both alike
+                s, tokens[name] = engine_decode_s(llm, ids, args.tokens)
+                best[name] = min(best[name], s)
+                s, tokens["hf"] = hf.run(hf_decode_s, ids, args.tokens)
+                best["hf"] = min(best["hf"], s)
+    hf.close()
     bandwidth = read_bandwidth()
     print(f"{machine()}; SmolLM2 {args.dtype}, {args.prompt_len}-token prompt, {args.tokens} "
           f"greedy tokens, best of {args.repeats}")
     print(f"transformers {1 / best['hf']:6.1f} tok/s")
-    for name in engines:
+    for name in settings:
         read = weight_bytes * (0.5 if "bf16" in name else 1.0)
         print(f"{name:<28} {1 / best[name]:6.1f} tok/s  ratio {best['hf'] / best[name]:.2f}x  "
               f"{_agreement(tokens[name], tokens['hf'])}; weights read per token "

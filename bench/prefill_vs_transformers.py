@@ -1,4 +1,5 @@
-"""Prefill speed of the engine next to transformers, same weights, threads and dtype, one run.
+"""Prefill speed of the engine next to transformers, same weights, threads and dtype, one run;
+transformers runs in a process of its own (bench.baseline_process says why).
 
     .venv/bin/python -m bench.prefill_vs_transformers --lengths 128 512 2048 --dtype float32 --repeats 5
 """
@@ -12,7 +13,8 @@ from engine import LLM
 from engine.loading.checkpoint import resolve_model
 from engine.observe.costs import forward_flops
 from engine.observe.hardware import measure
-from launcher.baseline import hf_model, hf_prefill
+from launcher.baseline import hf_prefill
+from bench.baseline_process import BaselineProcess
 from bench.common import best_of, machine, random_ids
 
 
@@ -24,11 +26,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--compile", action="store_true", help="the engine with compile=True")
     args = ap.parse_args()
-    dtype = getattr(torch, args.dtype)
-    hf = hf_model(str(resolve_model(args.model)), dtype)
+    hf = BaselineProcess(str(resolve_model(args.model)), args.dtype, torch.get_num_threads())
     llm = LLM(args.model, dtype=args.dtype, enable_prefix_caching=False,
               max_num_batched_tokens=max(args.lengths), compile=args.compile)
-    peak = measure("cpu", dtype).peak_flops
+    peak = hf.run(matmul_peak, args.dtype)  # there: a parallel op here would slow the engine
     print(f"{machine()}; dtype={args.dtype} model={args.model} compile={args.compile}; "
           f"best of {args.repeats}, alternating; {args.dtype} matmul peak measured here "
           f"{peak / 1e9:.0f} GFLOP/s (1024² through the engine's matmul)")
@@ -41,11 +42,21 @@ def main() -> None:
         ours = theirs = float("inf")
         for _ in range(args.repeats):
             ours = min(ours, best_of(lambda: llm.prefill([ids]), 1))
-            theirs = min(theirs, best_of(lambda: hf_prefill(hf, ids), 1))
+            theirs = min(theirs, hf.run(prefill_seconds, ids))
         print(f"{n:>6} {n / ours:>12.0f} {flops / ours / 1e9:>8.1f} {flops / ours / peak:>7.0%} "
               f"{n / theirs:>9.0f} "
               f"{flops / theirs / 1e9:>8.1f} {theirs / ours:>6.2f}")
     llm.shutdown()
+    hf.close()
+
+
+def matmul_peak(model, dtype_name: str) -> float:
+    return measure("cpu", getattr(torch, dtype_name)).peak_flops
+
+
+def prefill_seconds(model, ids: list[int]) -> float:
+    """transformers' side, run in its own process: one timed prefill after an untimed one."""
+    return best_of(lambda: hf_prefill(model, ids), 1)
 
 
 if __name__ == "__main__":

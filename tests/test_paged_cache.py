@@ -4,7 +4,6 @@ an empty cache. At TP=1 and TP=2."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from engine import LLM
 from engine import SamplingParams

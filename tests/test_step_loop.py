@@ -149,7 +149,7 @@ def test_a_rank_error_from_one_request_fails_it_alone(tiny_model_dir):
     """The driver refuses every bad setting it knows of; should sampling still raise on rank 0
     for one request's spec, the worker reports that row and samples the others (at TP>1 a raise
     on rank 0 alone would read as a broken group), and the driver fails that request alone."""
-    from engine.batch import Batch, SamplingSpec
+    from engine.batch import SamplingSpec
     from engine.config import EngineConfig
     from engine.driver.block_manager import BlockManager
     from engine.driver.engine_core import _resolve
