@@ -3,7 +3,7 @@ device has.
 
 On a CPU, `F.linear` goes to MKL, and MKL takes a slow code path on AMD processors: measured on
 an AVX512-BF16 EPYC (2 threads, float32, `python -m bench.cpu_ops`), oneDNN's
-inner product ran 2.2x faster for prefill-sized inputs (128-2048 rows) and 1.8x faster for
+inner product ran 1.9-2.2x faster for prompt-sized inputs (128-2048 rows) and 1.6x faster for
 decode's single rows. oneDNN is the library torch already ships for its CPU convolutions and
 for compiled linears (inductor emits the same op after freezing); results agree with MKL's to
 float32 rounding. float16 on a CPU has no oneDNN kernel, and CUDA has cuBLAS: both keep
