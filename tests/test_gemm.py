@@ -35,6 +35,13 @@ def test_strided_input():
     torch.testing.assert_close(gemm.linear(x, w), gemm.linear(x.contiguous(), w))
 
 
+def test_strided_weight():
+    """A column slice of a weight (not contiguous) gives what its contiguous copy gives."""
+    w = torch.randn(24, 100)[:, 10:50]
+    x = torch.randn(7, 40)
+    torch.testing.assert_close(gemm.linear(x, w), x @ w.contiguous().t())
+
+
 def test_compiled_graph_keeps_onednn():
     """Inside torch.compile the op is opaque (inductor's own oneDNN lowering only takes weights
     it froze): the compiled function gives the eager numbers."""
