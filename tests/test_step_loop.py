@@ -179,3 +179,18 @@ def test_a_rank_error_from_one_request_fails_it_alone(tiny_model_dir):
     with pytest.raises(InvalidRequestError, match="sampling failed"):
         seqs[1].future.result()
     assert seqs[0].finish_reason is None and seqs[0].output_token_ids  # the others sampled
+
+
+def test_restart_from_the_step_loop_is_refused():
+    """Code running on the step-loop thread (as a request's callback would) cannot restart the
+    engine under itself: that would leave two loops stepping the same ranks."""
+    from engine.driver.engine_core import EngineCore
+    from engine.errors import InvalidRequestError
+
+    core = EngineCore(lambda: [], retry_on_rank_failure=False, routing="least_loaded")
+    try:
+        with pytest.raises(InvalidRequestError, match="from another thread"):
+            core.call(core.restart)
+        assert core.call(lambda: 42) == 42  # still serving
+    finally:
+        core.shutdown()

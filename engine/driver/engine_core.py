@@ -70,6 +70,9 @@ class EngineCore:
         return done.result()
 
     def restart(self) -> None:
+        if threading.current_thread() is self._thread:  # the loop would start its own twin
+            raise InvalidRequestError("restart() was called from the engine's step loop (a "
+                                      "request's callback); call it from another thread")
         with self._control:
             self._stop(RankFailure("the engine was restarted while this request ran; submit it again"))
             self._start_loop()
