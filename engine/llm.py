@@ -237,6 +237,7 @@ class LLM:
         """Tear every rank down and start the groups afresh, e.g. after a RankFailure. Requests
         in flight fail with a clear error."""
         self._exports.close()  # exported K/V went with the old ranks
+        connect_if_needed(self.config)  # from this thread: the step loop builds the new ranks
         self._core.restart()
 
     def shutdown(self) -> None:

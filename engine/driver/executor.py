@@ -141,12 +141,11 @@ def connect_if_needed(cfg: EngineConfig) -> None:
 
 
 def make_executors(plan: EnginePlan, cfg: EngineConfig, checkpoint: Checkpoint) -> list[Executor]:
-    """One executor per data-parallel replica."""
+    """One executor per data-parallel replica (Ray already joined: `connect_if_needed`)."""
     if not uses_ray(cfg):
         return [InProcessExecutor(plan, checkpoint)]
     from parallel import cluster
 
-    cluster.connect(cfg.ray_address)
     try:
         nodes = cluster.plan_replicas(cfg.dp, cfg.tp, cfg.device, cfg.cpus_per_rank, cfg.cp)
     except ValueError as e:
