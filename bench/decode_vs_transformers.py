@@ -1,9 +1,11 @@
 """Decode speed of the engine next to transformers `generate`, same weights, threads and dtype:
 a 256-token prompt, 64 greedy tokens, identical tokens checked; and the rate at which decode
 reads the weights, as a share of this machine's read bandwidth measured in the same run.
-transformers runs in a process of its own (bench.baseline_process says why). A
-float32 run also times the engine with decode_dtype="bfloat16" (bf16 copies of the weights
-for decode steps) and says from which token on, if any, its tokens differ.
+transformers runs in a process of its own (bench.baseline_process says why), and so does the
+bandwidth measurement: a sum on this process's main thread would compete with the engine's
+OpenMP team. The engine runs eager and with compile=True (its warm-up time printed beside it); a
+float32 run also times decode_dtype="bfloat16" (bf16 copies of the weights for decode steps)
+and says from which token on, if any, tokens differ.
 
     .venv/bin/python -m bench.decode_vs_transformers --repeats 3
 """
@@ -20,8 +22,9 @@ from engine.loading.checkpoint import resolve_model
 from bench.baseline_process import BaselineProcess
 
 
-def read_bandwidth() -> float:
-    """Bytes/s of summing a tensor far larger than the caches: a pure read."""
+def read_bandwidth(_model=None) -> float:
+    """Bytes/s of summing a tensor far larger than the caches: a pure read. Run in the
+    transformers process (`_model` is its model, unused)."""
     data = torch.ones(64 * 2**20 // 4 * 4)  # 256 MiB of float32
     return data.numel() * 4 / best_of(lambda: data.sum(), 5)
 
@@ -51,14 +54,17 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = ap.parse_args()
     hf = BaselineProcess(str(resolve_model("smollm2")), args.dtype, torch.get_num_threads())
-    settings = {"engine": dict(dtype=args.dtype)}
+    settings = {"engine": dict(dtype=args.dtype),
+                "engine, compile=True": dict(dtype=args.dtype, compile=True)}
     if args.dtype == "float32":
         settings["engine, bf16 decode weights"] = dict(decode_dtype="bfloat16")
     best, tokens = {name: float("inf") for name in settings} | {"hf": float("inf")}, {}
+    warmup = {}
     for name, extra in settings.items():
         # one engine at a time: each has its own step-loop thread, and two of them in a process
         # would slow each other down as transformers would (bench.baseline_process)
         with LLM("smollm2", enable_prefix_caching=False, **extra) as llm:
+            warmup[name] = llm.rank_info()[0].warmup_s
             ids = random_ids(args.prompt_len, llm.model_config.vocab_size, seed=1)
             if name == "engine":  # the model's own weights (a bf16 copy adds to the other's)
                 weight_bytes = sum(i.weight_bytes for i in llm.rank_info())
@@ -67,8 +73,8 @@ def main() -> None:
                 best[name] = min(best[name], s)
                 s, tokens["hf"] = hf.run(hf_decode_s, ids, args.tokens)
                 best["hf"] = min(best["hf"], s)
+    bandwidth = hf.run(read_bandwidth)
     hf.close()
-    bandwidth = read_bandwidth()
     print(f"{machine()}; SmolLM2 {args.dtype}, {args.prompt_len}-token prompt, {args.tokens} "
           f"greedy tokens, best of {args.repeats}")
     print(f"transformers {1 / best['hf']:6.1f} tok/s")
@@ -78,7 +84,7 @@ def main() -> None:
               f"{_agreement(tokens[name], tokens['hf'])}; weights read per token "
               f"{read / 1e6:.0f} MB at {read / best[name] / 1e9:.1f} GB/s = "
               f"{read / best[name] / bandwidth:.0%} of the {bandwidth / 1e9:.1f} GB/s read "
-              f"bandwidth measured here")
+              f"bandwidth measured here" + (f"; warm-up {warmup[name]:.0f} s" if warmup[name] else ""))
 
 
 def _agreement(ours: list[int], theirs: list[int]) -> str:

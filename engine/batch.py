@@ -65,3 +65,4 @@ class StepResult:
     row_errors: dict[int, str] = field(default_factory=dict)  # rows whose sampling raised
     score: object = None  # parallel.logprobs.LogprobRows for batch.score_indices, if any
     comm_total_s: float = 0.0  # collectives in flight, start to finish (>= collective_s)
+    graph: str = ""  # the compiled graph that ran the step ("decode-4", "layers"); "" eager

@@ -103,6 +103,18 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+@torch.library.custom_op("prefill::all_reduce", mutates_args=())
+def all_reduce_copy(x: torch.Tensor) -> torch.Tensor:
+    """The sum over ranks into a new tensor: the form a compiled graph can hold (an op there
+    may not hand back its own input)."""
+    return all_reduce(x.clone())
+
+
+@all_reduce_copy.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
 class PendingAllReduce:
     """An all-reduce in flight; `wait()` returns the summed tensor (the same storage)."""
 

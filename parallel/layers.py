@@ -37,7 +37,11 @@ class AllReduce(nn.Module):
 
     def forward(self, x: torch.Tensor,
                 async_op: bool = False) -> torch.Tensor | comm.PendingAllReduce:
-        return comm.all_reduce_async(x) if async_op else comm.all_reduce(x)
+        if async_op:
+            return comm.all_reduce_async(x)
+        if torch.compiler.is_compiling():
+            return comm.all_reduce_copy(x) if comm.world_size() > 1 else x
+        return comm.all_reduce(x)
 
 
 class GatherToRankZero(nn.Module):
@@ -172,4 +176,8 @@ class ParallelLMHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """hidden: [n, d] for the positions that need logits only. Returns [n, vocab] on rank 0."""
-        return self.gather(linear(hidden, self.weight))
+        return self.gather(self.local(hidden))
+
+    def local(self, hidden: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of the logits [n, vocab slice], before the gather."""
+        return linear(hidden, self.weight)

@@ -1,6 +1,7 @@
 """compile=True gives the eager engine's answers: logits and greedy tokens, with chunked
-prefill, prefix hits and steps that mix prompts and decodes; a setup where compiling fails
-falls back to eager with a warning."""
+prefill, prefix hits and steps that mix prompts and decodes, through both kinds of graph (the
+whole-model decode graph of each row bucket, padding rows included, and the dynamic-length
+layers graph); a setup where compiling fails falls back to eager with a warning."""
 from __future__ import annotations
 
 import logging
@@ -20,6 +21,9 @@ SETTINGS = dict(max_num_batched_tokens=48)  # the 71-token prompt runs in two ch
 
 def _run(llm: LLM) -> tuple[list[torch.Tensor], list[list[int]]]:
     logits = [o.logits for o in llm.prefill(PROMPTS)]  # the second prompt hits the first's prefix
+    # one new token each after a 32-token prefix hit: a one-row-per-sequence step of 3 rows,
+    # which the decode graph runs padded to 4; its logits come back
+    logits += [o.logits for o in llm.prefill([SHARED + [t] for t in (7, 8, 9)])]
     return logits, [g.token_ids for g in llm.generate(PROMPTS, GREEDY)]  # mixed steps
 
 
@@ -39,10 +43,15 @@ def test_compiled_matches_eager(request, llama, tp):
         assert all(info.compiled and info.warmup_s > 0 for info in llm.rank_info())
         logits, tokens = _run(llm)
         assert llm.cache_stats()["prefix_hit_tokens"] > 0
+        graphs = {(t.graph, t.num_seqs) for t in llm.step_timings() if t.num_tokens == t.num_seqs}
+        assert ("decode-4", 3) in graphs and ("decode-8", 5) in graphs, graphs
+        assert "layers" in {t.graph for t in llm.step_timings()}
         with llm.tracing() as records:  # the walkthrough's path: eager, hooks see every op
             llm.prefill([PROMPTS[3]])
         assert {"qkv_proj", "attention", "down_proj"} <= {r["name"] for r in records}
+        assert llm.step_timings()[-1].graph == ""  # the tracer's step: eager
         assert [g.token_ids for g in llm.generate(PROMPTS[:2], GREEDY)] == want_tokens[:2]
+        assert llm.step_timings()[-1].graph == "decode-2"
     for got, want in zip(logits, want_logits):
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     assert tokens == want_tokens
@@ -66,6 +75,7 @@ def test_compile_failure_falls_back_to_eager(llama, caplog, monkeypatch):
             with LLM(path, compile=True, **SETTINGS) as llm:
                 assert not llm.rank_info()[0].compiled
                 logits, tokens = _run(llm)
+                assert {t.graph for t in llm.step_timings()} == {""}
     finally:
         torch._dynamo.reset()
     assert "running eagerly instead" in caplog.text

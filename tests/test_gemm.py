@@ -57,7 +57,7 @@ def test_compiled_graph_keeps_onednn():
 
 
 def test_without_onednn_uses_torch(monkeypatch):
-    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    monkeypatch.setattr(gemm, "_HAVE_ONEDNN", False)
     x, w = torch.randn(3, 16), torch.randn(8, 16)
     assert torch.equal(gemm.linear(x, w), F.linear(x, w))
 
@@ -66,3 +66,27 @@ def test_float16_falls_back():
     """oneDNN has no CPU float16 inner product: torch's matmul serves it."""
     x, w = torch.randn(3, 16, dtype=torch.float16), torch.randn(8, 16, dtype=torch.float16)
     assert torch.equal(gemm.linear(x, w), F.linear(x, w))
+
+
+@pytest.mark.parametrize("rows,uses_onednn", [(1, False), (2, False), (3, True)])
+def test_compiled_decode_rows(rows, uses_onednn):
+    """A graph compiled for a fixed 1 or 2 rows writes the product as a multiply-and-sum
+    (inductor streams the weight once); 3 rows and up keep oneDNN. Both match float64."""
+    gen = torch.Generator().manual_seed(rows)
+    w, b = torch.randn(40, 64, generator=gen), torch.randn(40, generator=gen)
+    x = torch.randn(rows, 64, generator=gen)
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def fn(x):
+        return gemm.linear(x, w, b)
+
+    got = torch.compile(fn, dynamic=False, backend=capture)(x)
+    ops = {str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"}
+    assert any("onednn_linear" in op for op in ops) == uses_onednn, ops
+    torch.testing.assert_close(got.double(), _reference(x, w, b), rtol=0, atol=1e-5 * 20)
+    inductor = torch.compile(fn, dynamic=False)(x)
+    torch.testing.assert_close(inductor.double(), _reference(x, w, b), rtol=0, atol=1e-5 * 20)

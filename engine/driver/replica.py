@@ -29,6 +29,7 @@ class StepTiming:
     num_tokens: int = 0  # tokens the step ran through the model
     num_seqs: int = 0
     comm_total_s: float = 0.0  # rank 0's collectives in flight, start to finish, overlapped or not
+    graph: str = ""  # compile=True: the graph that ran the step ("decode-4": 4 padded rows)
 
     @property
     def comm_exposed_s(self) -> float:
@@ -93,7 +94,8 @@ class Replica:
                                               result.score)
         self.steps.append(StepTiming(time.perf_counter() - step.started, step.schedule_s,
                                      result.forward_s, result.collective_s, result.sample_s,
-                                     step.num_tokens, len(step.scheduled), result.comm_total_s))
+                                     step.num_tokens, len(step.scheduled), result.comm_total_s,
+                                     result.graph))
         return finished
 
     def abort_all(self) -> list[Sequence]:

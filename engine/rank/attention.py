@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.rank import graph_ops
 from engine.rank.blocked_attention import blocked_causal_attention
 from engine.rank.kv_cache import KVCache
 
@@ -44,6 +45,8 @@ class KVStore(nn.Module):
         self.layer_idx, self.backend = layer_idx, backend
 
     def forward(self, k: torch.Tensor, v: torch.Tensor, ctx: StepContext) -> None:
+        if torch.compiler.is_compiling():
+            return graph_ops.kv_store(k, v, ctx.cache.data, self.layer_idx)
         self.backend.kv_store(ctx.cache, self.layer_idx, k, v, ctx.meta.slot_mapping)
 
 
@@ -56,6 +59,8 @@ class PagedAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 ctx: StepContext) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return graph_ops.attention(q, k, v, ctx.cache.data, self.layer_idx, self.scale)
         return self.backend.attention(self.layer_idx, q, k, v, ctx.cache, ctx.meta, self.scale)
 
 

@@ -1,11 +1,20 @@
-"""`compile=True`: each decoder layer runs as `torch.compile`d graphs (fused norms, RoPE and
-SiLU·mul; dynamic token count), with the KV store, attention and collectives left opaque between
-them: they index the paged cache with per-step metadata and talk to other ranks, which graphs
-should not capture. Compilation (and Triton's, for the triton backend) happens in a warm-up when
-the rank starts, never inside a request's step; a failed compile falls back to eager with one
-warning."""
+"""`compile=True`: a rank's forward as torch.compile'd graphs, each a whole model.
+
+- A decode step (one new token per sequence, at most `DECODE_BUCKETS[-1]` sequences, nothing
+  scored) runs embedding, every layer, the final norm and this rank's slice of the LM head as
+  one graph with static shapes: its rows are padded to the next size bucket, and each bucket is
+  compiled once. Its float32 projections become streaming multiply-and-sum loops
+  (parallel.gemm) and its small ops fuse, so the step is the weight reads plus little else.
+- Any other step runs the layers as one graph with a dynamic token count.
+
+The KV store, attention and all-reduce are registered custom ops inside the graphs (graph_ops,
+parallel.comm), so nothing breaks a graph. Compilation (and Triton's, for the triton backend)
+happens in a warm-up when the rank starts, never inside a request's step timeout; a failed
+compile falls back to eager with one warning. Tracing (the walkthrough) runs eagerly.
+"""
 from __future__ import annotations
 
+import bisect
 import logging
 import time
 from typing import Callable
@@ -13,51 +22,81 @@ from typing import Callable
 import torch
 from torch import nn
 
-from engine.rank.attention import KVStore, PagedAttention
-from parallel.layers import AllReduce, GatherToRankZero
+from engine.rank import graph_ops
+from engine.rank.attention import StepContext
 
 log = logging.getLogger("engine")
-_OPAQUE = (KVStore, PagedAttention, AllReduce, GatherToRankZero)
+DECODE_BUCKETS = (1, 2, 4, 8)
 
 
-class CompiledLayers:
-    """Switches a model's layers between compiled and eager forwards."""
-
-    def __init__(self, model: nn.Module):
-        self.model = model
+class CompiledModel:
+    def __init__(self, model: nn.Module, backend):
+        self.model, self.backend = model, backend
         self.usable = True  # False once compiling failed here: eager from then on
-        self._compiled = [torch.compile(layer.forward, dynamic=True) for layer in model.layers]
-        for module in model.modules():
-            if isinstance(module, _OPAQUE):
-                module.forward = torch.compiler.disable(module.forward)
+        self.enabled = True  # off while the tracer watches the eager modules
+        # two functions, so the two kinds of graph keep separate caches (and recompile limits)
+        self._layers = torch.compile(_layers, fullgraph=True)  # token count marked dynamic
+        self._decode = torch.compile(_decode, dynamic=False, fullgraph=True)
 
-    def set(self, compiled: bool) -> None:
-        for layer, graph in zip(self.model.layers, self._compiled):
-            if compiled and self.usable:
-                layer.forward = graph
-            else:
-                layer.__dict__.pop("forward", None)  # back to the class's eager forward
+    @property
+    def active(self) -> bool:
+        return self.usable and self.enabled
+
+    @staticmethod
+    def decode_bucket(num_seqs: int) -> int | None:
+        """The padded row count of a decode step of `num_seqs` sequences (None: too many)."""
+        at = bisect.bisect_left(DECODE_BUCKETS, num_seqs)
+        return DECODE_BUCKETS[at] if at < len(DECODE_BUCKETS) else None
+
+    def hidden_states(self, token_ids: torch.Tensor, positions: torch.Tensor,
+                      ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
+        torch._dynamo.mark_dynamic(token_ids, 0)
+        torch._dynamo.mark_dynamic(positions, 0)
+        with graph_ops.running(ctx, self.backend):
+            return self._layers(self.model, token_ids, positions, ctx)
+
+    def decode_logits(self, token_ids: torch.Tensor, positions: torch.Tensor,
+                      ctx: StepContext, rows: int) -> torch.Tensor:
+        """This rank's logits slice for a decode step's `len(token_ids)` rows, run as the graph
+        of `rows` (>= that) rows; the padding rows' inputs are token 0 at position 0."""
+        pad = rows - len(token_ids)
+        if pad:
+            token_ids = torch.cat((token_ids, token_ids.new_zeros(pad)))
+            positions = torch.cat((positions, positions.new_zeros(pad)))
+        with graph_ops.running(ctx, self.backend):
+            return self._decode(self.model, token_ids, positions, ctx)[: rows - pad]
 
 
-def warm_up(run_step: Callable[[int, int], None], layers: CompiledLayers | None = None) -> float:
-    """Run the shapes steps take (a prompt, a longer one, a decode step) before any request
+def _layers(model: nn.Module, token_ids: torch.Tensor, positions: torch.Tensor,
+            ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
+    return model.hidden_states(token_ids, positions, ctx)
+
+
+def _decode(model: nn.Module, token_ids: torch.Tensor, positions: torch.Tensor,
+            ctx: StepContext) -> torch.Tensor:
+    return model.local_logits(token_ids, positions, ctx)
+
+
+def warm_up(run_step: Callable[[int, int, int], None], compiled: CompiledModel | None = None) -> float:
+    """Run the shapes steps take (prompts, a decode step of every bucket) before any request
     arrives, so torch.compile and Triton's compilation and autotuning happen here, not inside a
-    request's step timeout; seconds taken. If the compiled layers fail, they stay eager."""
+    request's step timeout; seconds taken. If compiling fails, the rank stays eager."""
     start = time.perf_counter()
-    if layers is not None:
-        layers.set(True)
+    if compiled is not None:
         try:
-            _run_shapes(run_step)
+            _run_shapes(run_step, DECODE_BUCKETS)
             return time.perf_counter() - start
         except Exception as e:  # noqa: BLE001  an unsupported setup must not stop the engine
-            layers.usable = False
-            layers.set(False)
+            compiled.usable = False
             log.warning("compile=True failed on this setup (%s: %s); running eagerly instead",
                         type(e).__name__, str(e).splitlines()[0] if str(e) else "")
-    _run_shapes(run_step)
+    _run_shapes(run_step, (1,))
     return time.perf_counter() - start
 
 
-def _run_shapes(run_step: Callable[[int, int], None]) -> None:
-    for num_tokens, start_position in ((16, 0), (48, 0), (1, 48)):
-        run_step(num_tokens, start_position)
+def _run_shapes(run_step: Callable[[int, int, int], None], decode_rows: tuple[int, ...]) -> None:
+    """run_step(tokens per sequence, start position, sequences)."""
+    for num_tokens, start_position in ((16, 0), (48, 0)):
+        run_step(num_tokens, start_position, 1)
+    for num_seqs in decode_rows:
+        run_step(1, 48, num_seqs)

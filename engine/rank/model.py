@@ -149,6 +149,15 @@ class CausalLM(nn.Module):
         logits = self.lm_head(x)
         return None if logits is None else logits.float()
 
+    @torch.inference_mode()
+    def local_logits(self, token_ids: torch.Tensor, positions: torch.Tensor,
+                     ctx: StepContext) -> torch.Tensor:
+        """Every row's logits for this rank's vocabulary slice, before the gather: a decode
+        step, where each row is a sequence's newest token and every row samples."""
+        x, residual = self.hidden_states(token_ids, positions, ctx)
+        x, _ = self.norm(x, residual)
+        return self.lm_head.local(x)
+
     def load(self, read: TensorReader) -> None:
         self.embed_tokens.load(read, "model.embed_tokens")
         for i, layer in enumerate(self.layers):

@@ -17,7 +17,7 @@ from engine.observe.tracer import OpTracer
 from engine.plan import EnginePlan, RankInfo
 from engine.rank.attention import StepContext
 from engine.rank.backend import select_backend
-from engine.rank.compiled import CompiledLayers, warm_up
+from engine.rank.compiled import CompiledModel, warm_up
 from engine.rank.decode_weights import DecodeWeights
 from engine.rank.host_memory import keep_freed_memory
 from engine.rank.kernels.step_metadata import build_step_metadata
@@ -73,20 +73,24 @@ class Worker:
         self.sampler = Sampler()
         self.context = ContextParallelRunner(self, groups) if groups is not None else None
         self._tracer: OpTracer | None = None
-        self.compiled: CompiledLayers | None = None
+        self.compiled: CompiledModel | None = None
         self.warmup_s = 0.0
         if plan.compile:
-            self.compiled = CompiledLayers(self.model)
+            self.compiled = CompiledModel(self.model, backend)
         if plan.compile or plan.backend == "triton":
             self.warmup_s = warm_up(self._warm_up_step, self.compiled)
 
-    def _warm_up_step(self, num_tokens: int, start: int) -> None:
-        """A step on made-up tokens in block 0, which no request holds yet (its slots are
-        overwritten when a request gets the block). Every rank runs it at once (SPMD)."""
-        positions = list(range(start, start + num_tokens))
+    def _warm_up_step(self, num_tokens: int, start: int, num_seqs: int) -> None:
+        """A step of `num_seqs` sequences of made-up tokens, all in the first blocks, which no
+        request holds yet (their slots are overwritten when a request gets them). Every rank
+        runs it at once (SPMD)."""
+        positions = list(range(start, start + num_tokens)) * num_seqs
         blocks = list(range(-(-(start + num_tokens) // self.plan.block_size)))
-        self.execute(Batch([0] * num_tokens, positions, [0, num_tokens], [start + num_tokens],
-                           positions, [blocks], [num_tokens - 1], [SamplingSpec()]))
+        self.execute(Batch([0] * len(positions), positions,
+                           list(range(0, len(positions) + 1, num_tokens)),
+                           [start + num_tokens] * num_seqs, positions, [blocks] * num_seqs,
+                           list(range(num_tokens - 1, len(positions), num_tokens)),
+                           [SamplingSpec()] * num_seqs))
 
     def _load(self, ckpt: Checkpoint) -> None:
         """Every tensor the model needs, each exactly as expected, and no tensor left over."""
@@ -130,24 +134,60 @@ class Worker:
         if self.context is not None:
             return self.context.execute(batch)
         dev, started = self.device, self.step_clocks()
-        # the step's metadata goes to the device once, in one copy, and every layer reads it
-        if self.plan.overlap_comm and self.plan.world_size > 1 and batch.num_tokens >= 2:
-            ctx = make_split_context(batch, self.cache, self.kv_head_of_q, dev, self.uniform_groups)
+        token_ids = torch.tensor(batch.token_ids, device=dev)
+        positions = torch.tensor(batch.positions, device=dev)
+        indices = torch.tensor(batch.logits_indices, device=dev, dtype=torch.long)
+        graph_rows = self._decode_graph_rows(batch)
+        ctx = self._step_context(batch, split_allowed=graph_rows is None)
+        if graph_rows is not None:
+            logits, score = self._decode_graph_logits(token_ids, positions, ctx, graph_rows,
+                                                      indices), None
+            graph = f"decode-{graph_rows}"
         else:
-            ctx = StepContext(self.cache, build_step_metadata(
-                batch.cu_seqlens_q, batch.context_lens, batch.block_tables, batch.slot_mapping,
-                self.kv_head_of_q, dev, uniform_groups=self.uniform_groups))
-        x, residual = self.model.hidden_states(torch.tensor(batch.token_ids, device=dev),
-                                               torch.tensor(batch.positions, device=dev), ctx)
-        logits = self.model.logits(x, residual, torch.tensor(batch.logits_indices, device=dev,
-                                                             dtype=torch.long))
-        score = score_batch(self.model, x, residual, batch)  # None unless the batch scores rows
+            x, residual, graph = self._hidden_states(token_ids, positions, ctx)
+            logits = self.model.logits(x, residual, indices)
+            score = score_batch(self.model, x, residual, batch)  # None unless it scores rows
         result = self.step_result(started, score)
         if result is None:
             return None
+        result.graph = graph
         if logits is not None:  # None: every sequence is mid-prompt, nothing to sample
             self._sample(logits.cpu(), batch, result)
         return result
+
+    def _step_context(self, batch: Batch, split_allowed: bool):
+        """The step's metadata, on the device in one copy, read by every layer (two halves'
+        worth when the step overlaps its all-reduces with compute)."""
+        if (split_allowed and self.plan.overlap_comm and self.plan.world_size > 1
+                and batch.num_tokens >= 2):
+            return make_split_context(batch, self.cache, self.kv_head_of_q, self.device,
+                                      self.uniform_groups)
+        return StepContext(self.cache, build_step_metadata(
+            batch.cu_seqlens_q, batch.context_lens, batch.block_tables, batch.slot_mapping,
+            self.kv_head_of_q, self.device, uniform_groups=self.uniform_groups))
+
+    def _decode_graph_rows(self, batch: Batch) -> int | None:
+        """The compiled decode graph's row count for this step; None: not a step it runs."""
+        if self.compiled is None or not self.compiled.active or batch.score_indices:
+            return None
+        if batch.num_tokens != batch.num_seqs:  # some sequence brings more than one token
+            return None
+        return self.compiled.decode_bucket(batch.num_seqs)
+
+    def _decode_graph_logits(self, token_ids: torch.Tensor, positions: torch.Tensor,
+                             ctx: StepContext, rows: int,
+                             indices: torch.Tensor) -> torch.Tensor | None:
+        local = self.compiled.decode_logits(token_ids, positions, ctx, rows)
+        if not len(indices):  # every rank sees the same batch, so all skip the gather together
+            return None
+        logits = self.model.lm_head.gather(local[indices])
+        return None if logits is None else logits.float()
+
+    def _hidden_states(self, token_ids: torch.Tensor, positions: torch.Tensor, ctx):
+        """(hidden, residual, the graph that ran them: "" when eager)."""
+        if self.compiled is not None and self.compiled.active and isinstance(ctx, StepContext):
+            return *self.compiled.hidden_states(token_ids, positions, ctx), "layers"
+        return *self.model.hidden_states(token_ids, positions, ctx), ""
 
     @staticmethod
     def step_clocks() -> tuple[float, float, float]:
@@ -200,7 +240,7 @@ class Worker:
 
     def start_tracing(self) -> None:
         if self.compiled is not None:  # the tracer's hooks observe the eager model
-            self.compiled.set(False)
+            self.compiled.enabled = False
         self._tracer = OpTracer(self.rank, self.device, {"": self.model, "sampler": self.sampler})
         self._tracer.__enter__()
 
@@ -211,7 +251,7 @@ class Worker:
             return []
         tracer.__exit__(None, None, None)
         if self.compiled is not None:
-            self.compiled.set(True)
+            self.compiled.enabled = True
         return [r.to_dict() for r in tracer.records]
 
     def read_kv(self, layer: int, block_table: list[int], length: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,72 @@
+"""The KV store and attention as registered custom ops, for the graphs `compile=True` builds.
+
+A compiled graph sees each as one opaque call taking and returning tensors, so torch.compile
+fuses everything between them and a whole forward is one graph, with no break per layer. What
+they need besides tensors (the step's metadata: host lists, block tables, the backend that runs
+them) cannot travel through a graph, so the rank publishes it here while its forward runs
+(`running`), the way vLLM's forward context does. The cache goes in as a tensor argument too,
+so the graph keeps each layer's store before that layer's attention.
+
+A graph may run more rows than the step has (decode batches padded to a size bucket): the ops
+store and attend the step's own rows only, and return zeros for the padding.
+"""
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Iterator
+
+import torch
+
+if TYPE_CHECKING:
+    from engine.rank.attention import StepContext
+
+_local = threading.local()  # one step at a time per thread; in-process ranks share a process
+
+
+@contextmanager
+def running(ctx: StepContext, backend) -> Iterator[None]:
+    """Make `ctx` (and the backend its ops run on) the one the graph ops read, for one forward."""
+    _local.step = (ctx, backend)
+    try:
+        yield
+    finally:
+        _local.step = None
+
+
+def _current() -> tuple[StepContext, object]:
+    step = getattr(_local, "step", None)
+    if step is None:
+        raise RuntimeError("a compiled graph ran outside graph_ops.running(): its KV store and "
+                           "attention have no step metadata to read")
+    return step
+
+
+def _real_rows(ctx: StepContext) -> int:
+    return ctx.meta.cu_seqlens_q[-1]
+
+
+@torch.library.custom_op("prefill::kv_store", mutates_args=("cache",))
+def kv_store(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, layer: int) -> None:
+    """The step's new K/V of `layer` into their slots of `cache` (the rank's whole cache)."""
+    ctx, backend = _current()
+    n = _real_rows(ctx)
+    backend.kv_store(ctx.cache, layer, k[:n], v[:n], ctx.meta.slot_mapping)
+
+
+@torch.library.custom_op("prefill::attention", mutates_args=())
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
+              layer: int, scale: float) -> torch.Tensor:
+    """Causal attention of the step's queries over their cached context, [rows, hq, d]."""
+    ctx, backend = _current()
+    n = _real_rows(ctx)
+    out = backend.attention(layer, q[:n], k[:n], v[:n], ctx.cache, ctx.meta, scale)
+    if n == len(q):
+        return out
+    return torch.cat((out, out.new_zeros(len(q) - n, *out.shape[1:])))
+
+
+@attention.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, layer: int,
+      scale: float) -> torch.Tensor:
+    return torch.empty_like(q)
