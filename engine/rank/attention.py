@@ -45,8 +45,8 @@ class KVStore(nn.Module):
         self.layer_idx, self.backend = layer_idx, backend
 
     def forward(self, k: torch.Tensor, v: torch.Tensor, ctx: StepContext) -> None:
-        if torch.compiler.is_compiling():
-            return graph_ops.kv_store(k, v, ctx.cache.data, self.layer_idx)
+        if torch.compiler.is_compiling():  # a graph's attention op stores them (graph_ops)
+            return
         self.backend.kv_store(ctx.cache, self.layer_idx, k, v, ctx.meta.slot_mapping)
 
 
@@ -60,7 +60,8 @@ class PagedAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 ctx: StepContext) -> torch.Tensor:
         if torch.compiler.is_compiling():
-            return graph_ops.attention(q, k, v, ctx.cache.data, self.layer_idx, self.scale)
+            return graph_ops.store_and_attend(q, k, v, ctx.cache.data, self.layer_idx,
+                                              self.scale)
         return self.backend.attention(self.layer_idx, q, k, v, ctx.cache, ctx.meta, self.scale)
 
 

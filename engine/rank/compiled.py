@@ -17,6 +17,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+import types
 from typing import Callable
 
 import torch
@@ -34,9 +35,11 @@ class CompiledModel:
         self.model, self.backend = model, backend
         self.usable = True  # False once compiling failed here: eager from then on
         self.enabled = True  # off while the tracer watches the eager modules
-        # two functions, so the two kinds of graph keep separate caches (and recompile limits)
-        self._layers = torch.compile(_layers, fullgraph=True)  # token count marked dynamic
-        self._decode = torch.compile(_decode, dynamic=False, fullgraph=True)
+        # torch.compile keeps graphs (and a limit of 8 recompiles) per code object: each kind
+        # of graph of each rank gets a code object of its own, so engines of other shapes in
+        # this process never push this one's graphs out to eager
+        self._layers = torch.compile(_own_code(_layers), fullgraph=True)  # token count dynamic
+        self._decode = torch.compile(_own_code(_decode), dynamic=False, fullgraph=True)
 
     @property
     def active(self) -> bool:
@@ -65,6 +68,10 @@ class CompiledModel:
             positions = torch.cat((positions, positions.new_zeros(pad)))
         with graph_ops.running(ctx, self.backend):
             return self._decode(self.model, token_ids, positions, ctx)[: rows - pad]
+
+
+def _own_code(fn: Callable) -> Callable:
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__)
 
 
 def _layers(model: nn.Module, token_ids: torch.Tensor, positions: torch.Tensor,
