@@ -16,6 +16,7 @@ from torch import nn
 from engine.rank import graph_ops
 from engine.rank.blocked_attention import blocked_causal_attention
 from engine.rank.kv_cache import KVCache
+from engine.rank.padded_decode import PaddedDecode, padded_decode_attention
 
 
 @dataclass(slots=True)
@@ -44,7 +45,9 @@ class KVStore(nn.Module):
         super().__init__()
         self.layer_idx, self.backend = layer_idx, backend
 
-    def forward(self, k: torch.Tensor, v: torch.Tensor, ctx: StepContext) -> None:
+    def forward(self, k: torch.Tensor, v: torch.Tensor, ctx: StepContext | PaddedDecode) -> None:
+        if isinstance(ctx, PaddedDecode):  # the compiled decode graph
+            return graph_ops.kv_store(k, v, ctx.cache.data, self.layer_idx, ctx.slot_mapping)
         if torch.compiler.is_compiling():  # a graph's attention op stores them (graph_ops)
             return
         self.backend.kv_store(ctx.cache, self.layer_idx, k, v, ctx.meta.slot_mapping)
@@ -58,7 +61,9 @@ class PagedAttention(nn.Module):
         self.layer_idx, self.scale, self.backend = layer_idx, scale, backend
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                ctx: StepContext) -> torch.Tensor:
+                ctx: StepContext | PaddedDecode) -> torch.Tensor:
+        if isinstance(ctx, PaddedDecode):
+            return padded_decode_attention(q, *ctx.cache.layer(self.layer_idx), ctx, self.scale)
         if torch.compiler.is_compiling():
             return graph_ops.store_and_attend(q, k, v, ctx.cache.data, self.layer_idx,
                                               self.scale)

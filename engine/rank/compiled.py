@@ -23,8 +23,11 @@ from typing import Callable
 import torch
 from torch import nn
 
+from engine.batch import Batch
 from engine.rank import graph_ops
 from engine.rank.attention import StepContext
+from engine.rank.kv_cache import KVCache
+from engine.rank.padded_decode import PaddedDecode, pad_decode_step
 
 log = logging.getLogger("engine")
 DECODE_BUCKETS = (1, 2, 4, 8)
@@ -58,16 +61,15 @@ class CompiledModel:
         with graph_ops.running(ctx, self.backend):
             return self._layers(self.model, token_ids, positions, ctx)
 
-    def decode_logits(self, token_ids: torch.Tensor, positions: torch.Tensor,
-                      ctx: StepContext, rows: int) -> torch.Tensor:
-        """This rank's logits slice for a decode step's `len(token_ids)` rows, run as the graph
-        of `rows` (>= that) rows; the padding rows' inputs are token 0 at position 0."""
-        pad = rows - len(token_ids)
-        if pad:
-            token_ids = torch.cat((token_ids, token_ids.new_zeros(pad)))
-            positions = torch.cat((positions, positions.new_zeros(pad)))
-        with graph_ops.running(ctx, self.backend):
-            return self._decode(self.model, token_ids, positions, ctx)[: rows - pad]
+    def decode_logits(self, batch: Batch, cache: KVCache, kv_head_of_q: torch.Tensor,
+                      rows: int) -> torch.Tensor:
+        """This rank's logits slice for each sequence of a decode step, run as the graph of
+        `rows` (>= the step's sequences) rows."""
+        token_ids, positions, meta = pad_decode_step(batch, cache, kv_head_of_q, rows,
+                                                     kv_head_of_q.device)
+        torch._dynamo.mark_dynamic(meta.block_table, 1)  # one graph for every context length
+        with torch.no_grad():
+            return self._decode(self.model, token_ids, positions, meta)[: batch.num_seqs]
 
 
 def _own_code(fn: Callable) -> Callable:
@@ -80,7 +82,7 @@ def _layers(model: nn.Module, token_ids: torch.Tensor, positions: torch.Tensor,
 
 
 def _decode(model: nn.Module, token_ids: torch.Tensor, positions: torch.Tensor,
-            ctx: StepContext) -> torch.Tensor:
+            ctx: PaddedDecode) -> torch.Tensor:
     return model.local_logits(token_ids, positions, ctx)
 
 

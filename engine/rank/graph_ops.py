@@ -61,3 +61,15 @@ def store_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: t
 def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, layer: int,
       scale: float) -> torch.Tensor:
     return torch.empty_like(q)
+
+
+@torch.library.custom_op("prefill::kv_store", mutates_args=("cache",))
+def kv_store(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, layer: int,
+             slot_mapping: torch.Tensor) -> None:
+    """K/V [rows, hkv, d] into their slots of `layer` in `cache` ([k|v, layer, block, slot,
+    hkv, d], the rank's whole cache). The compiled decode graph's store: written in the graph
+    itself, the cache would be copied whole at every step (inductor does not write a graph
+    input in place), while a custom op marked as writing it does."""
+    k_cache, v_cache = cache[0, layer], cache[1, layer]
+    k_cache.view(-1, *k.shape[1:])[slot_mapping] = k
+    v_cache.view(-1, *v.shape[1:])[slot_mapping] = v

@@ -132,6 +132,12 @@ class CausalLM(nn.Module):
                       ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
         """Every row's last-layer output and residual [T, d], before the final norm (scoring
         reads them all; sampling only a few)."""
+        return self.run_layers(token_ids, positions, ctx)
+
+    def run_layers(self, token_ids: torch.Tensor, positions: torch.Tensor,
+                   ctx) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden_states outside inference mode, for the compiled decode graph: inductor cannot
+        write the KV cache (an input of the graph) in a graph traced in inference mode."""
         if isinstance(ctx, SplitContext):  # overlap_comm: two micro-batches, interleaved
             return run_layers_split(self, token_ids, positions, ctx)
         x, residual = self.embed_tokens(token_ids), None
@@ -149,12 +155,12 @@ class CausalLM(nn.Module):
         logits = self.lm_head(x)
         return None if logits is None else logits.float()
 
-    @torch.inference_mode()
     def local_logits(self, token_ids: torch.Tensor, positions: torch.Tensor,
-                     ctx: StepContext) -> torch.Tensor:
-        """Every row's logits for this rank's vocabulary slice, before the gather: a decode
-        step, where each row is a sequence's newest token and every row samples."""
-        x, residual = self.hidden_states(token_ids, positions, ctx)
+                     ctx) -> torch.Tensor:
+        """Every row's logits for this rank's vocabulary slice, before the gather: the compiled
+        decode graph, where each row is a sequence's newest token and every row samples (run
+        under no_grad, see run_layers)."""
+        x, residual = self.run_layers(token_ids, positions, ctx)
         x, _ = self.norm(x, residual)
         return self.lm_head.local(x)
 

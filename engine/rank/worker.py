@@ -68,6 +68,7 @@ class Worker:
         self.cache = KVCache(plan.model.num_layers, plan.num_blocks, plan.block_size,
                              shard.heads.num_kv_heads, plan.model.head_dim, plan.dtype, self.device)
         self.kv_head_of_q = mapping = shard.heads.kv_head_of_q_head()
+        self.kv_head_of_q_device = torch.tensor(mapping, device=self.device)
         group = len(mapping) // shard.heads.num_kv_heads
         self.uniform_groups = mapping == [h // group for h in range(len(mapping))]
         self.sampler = Sampler()
@@ -134,17 +135,15 @@ class Worker:
         if self.context is not None:
             return self.context.execute(batch)
         dev, started = self.device, self.step_clocks()
-        token_ids = torch.tensor(batch.token_ids, device=dev)
-        positions = torch.tensor(batch.positions, device=dev)
         indices = torch.tensor(batch.logits_indices, device=dev, dtype=torch.long)
         graph_rows = self._decode_graph_rows(batch)
-        ctx = self._step_context(batch, split_allowed=graph_rows is None)
         if graph_rows is not None:
-            logits, score = self._decode_graph_logits(token_ids, positions, ctx, graph_rows,
-                                                      indices), None
+            logits, score = self._decode_graph_logits(batch, graph_rows, indices), None
             graph = f"decode-{graph_rows}"
         else:
-            x, residual, graph = self._hidden_states(token_ids, positions, ctx)
+            x, residual, graph = self._hidden_states(torch.tensor(batch.token_ids, device=dev),
+                                                     torch.tensor(batch.positions, device=dev),
+                                                     self._step_context(batch))
             logits = self.model.logits(x, residual, indices)
             score = score_batch(self.model, x, residual, batch)  # None unless it scores rows
         result = self.step_result(started, score)
@@ -155,11 +154,10 @@ class Worker:
             self._sample(logits.cpu(), batch, result)
         return result
 
-    def _step_context(self, batch: Batch, split_allowed: bool):
+    def _step_context(self, batch: Batch):
         """The step's metadata, on the device in one copy, read by every layer (two halves'
         worth when the step overlaps its all-reduces with compute)."""
-        if (split_allowed and self.plan.overlap_comm and self.plan.world_size > 1
-                and batch.num_tokens >= 2):
+        if self.plan.overlap_comm and self.plan.world_size > 1 and batch.num_tokens >= 2:
             return make_split_context(batch, self.cache, self.kv_head_of_q, self.device,
                                       self.uniform_groups)
         return StepContext(self.cache, build_step_metadata(
@@ -174,10 +172,9 @@ class Worker:
             return None
         return self.compiled.decode_bucket(batch.num_seqs)
 
-    def _decode_graph_logits(self, token_ids: torch.Tensor, positions: torch.Tensor,
-                             ctx: StepContext, rows: int,
+    def _decode_graph_logits(self, batch: Batch, rows: int,
                              indices: torch.Tensor) -> torch.Tensor | None:
-        local = self.compiled.decode_logits(token_ids, positions, ctx, rows)
+        local = self.compiled.decode_logits(batch, self.cache, self.kv_head_of_q_device, rows)
         if not len(indices):  # every rank sees the same batch, so all skip the gather together
             return None
         logits = self.model.lm_head.gather(local[indices])
