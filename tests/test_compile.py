@@ -81,3 +81,18 @@ def test_compile_failure_falls_back_to_eager(llama, caplog, monkeypatch):
     assert "running eagerly instead" in caplog.text
     assert tokens == want_tokens
     torch.testing.assert_close(logits[0], want_logits[0], atol=1e-5, rtol=1e-5)
+
+
+def test_wide_decode_steps_run_the_layers_graph(llama):
+    """A decode step of more sequences than the largest bucket runs the dynamic-length graph,
+    and gives eager's tokens."""
+    path, _ = llama
+    prompts = [random_token_ids(3 + i, 300, seed=100 + i) for i in range(10)]
+    few = SamplingParams(max_tokens=4, ignore_eos=True)
+    with LLM(path, compile=False) as eager:
+        want = [g.token_ids for g in eager.generate(prompts, few)]
+    with LLM(path, compile=True) as llm:
+        got = [g.token_ids for g in llm.generate(prompts, few)]
+        decode_steps = [t for t in llm.step_timings() if t.num_tokens == t.num_seqs == 10]
+    assert decode_steps and {t.graph for t in decode_steps} == {"layers"}
+    assert got == want
