@@ -3,7 +3,9 @@ through torch's default matmul (`F.linear`, MKL on x86) against oneDNN (`paralle
 a prompt's causal attention through torch's SDPA (its CPU flash kernel, grouped KV heads
 shared with `enable_gqa`) against the engine's blocked attention (engine/rank/blocked_attention,
 which the engine uses for bf16 prompts). SmolLM2-135M's shapes (hidden 576, FFN 1536, 9 query /
-3 KV heads of 64). Runs alternate; the fastest of each is kept.
+3 KV heads of 64). Also, inside a compiled graph, float32 decode rows through oneDNN against
+a multiply-and-sum (what the compiled decode graph uses for 1-2 rows). Runs alternate; the
+fastest of each is kept.
 
     .venv/bin/python -m bench.cpu_ops
 """
@@ -18,7 +20,7 @@ import torch.nn.functional as F
 
 from bench.common import machine
 from engine.rank.blocked_attention import blocked_causal_attention
-from parallel.gemm import linear
+from parallel.gemm import linear, onednn_linear
 
 PROJECTIONS = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
@@ -45,6 +47,23 @@ def projections(rows: int, dtype: torch.dtype, repeats: int) -> dict[str, float]
     flops = sum(2 * rows * w.numel() for w in weights)
     t = fastest({"F.linear": lambda: [F.linear(inputs[w.shape[1]], w) for w in weights],
                  "oneDNN": lambda: [linear(inputs[w.shape[1]], w) for w in weights]}, repeats)
+    return {name: flops / s / 1e9 for name, s in t.items()}
+
+
+def compiled_decode_rows(rows: int, repeats: int) -> dict[str, float]:
+    """float32 decode rows (30 layers of distinct weights) inside one compiled graph: oneDNN's
+    inner product as an opaque op against the multiply-and-sum inductor streams
+    (parallel.gemm takes the latter for graphs of at most MATVEC_ROWS fixed rows)."""
+    weights = [torch.randn(shape) for _ in range(30) for shape in PROJECTIONS]
+    inputs = {k: torch.randn(rows, k) for k in (576, 1536)}
+    flops = sum(2 * rows * w.numel() for w in weights)
+
+    def graph(product):
+        return torch.compile(lambda: [product(inputs[w.shape[1]], w) for w in weights],
+                             dynamic=False)
+
+    t = fastest({"oneDNN op": graph(lambda x, w: onednn_linear(x, w, None)),
+                 "multiply-and-sum": graph(lambda x, w: (x.unsqueeze(1) * w).sum(-1))}, repeats)
     return {name: flops / s / 1e9 for name, s in t.items()}
 
 
@@ -75,6 +94,12 @@ def main() -> None:
             r = projections(rows, getattr(torch, dtype), args.repeats)
             print(f"{dtype + f', {rows} rows':<24} {r['F.linear']:>17.1f} {r['oneDNN']:>15.1f} "
                   f"{r['oneDNN'] / r['F.linear']:>17.2f}x")
+    if "float32" in args.dtypes:
+        print(f"{'compiled decode rows':<24} {'oneDNN op GFLOP/s':>17} {'mul-sum GFLOP/s':>15} {'mul-sum / oneDNN':>18}")
+        for rows in (1, 2, 4, 8):
+            r = compiled_decode_rows(rows, args.repeats)
+            print(f"{f'float32, {rows} rows':<24} {r['oneDNN op']:>17.1f} "
+                  f"{r['multiply-and-sum']:>15.1f} {r['multiply-and-sum'] / r['oneDNN op']:>17.2f}x")
     print(f"{'prompt attention q/kv':<24} {'SDPA ms':>17} {'blocked ms':>15} {'SDPA / blocked':>18}")
     for dtype in args.dtypes:
         for q_len, kv_len in ((128, 128), (512, 512), (2048, 2048), (512, 2048)):

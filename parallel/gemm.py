@@ -36,8 +36,9 @@ def _low_precision(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 # A compiled graph of a decode step with at most this many rows, all known when compiling,
 # writes its float32 projections as a multiply-and-sum that inductor turns into one streaming
-# loop over the weight: measured 1.4x oneDNN's inner product for 1 row and 1.3x for 2 (30
-# layers of SmolLM2's weights, 2 threads, AVX512 EPYC), and slower from 4 rows on.
+# loop over the weight: in one graph over 30 layers of SmolLM2's weights (2 threads, AVX512
+# EPYC, `python -m bench.cpu_ops`) 2.4x oneDNN's inner product for 1 row and 1.4x for 2, and
+# slower from 4 rows on (0.8x), where the rows' products stop sharing each weight read.
 MATVEC_ROWS = 2
 
 
