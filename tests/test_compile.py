@@ -96,3 +96,24 @@ def test_wide_decode_steps_run_the_layers_graph(llama):
         decode_steps = [t for t in llm.step_timings() if t.num_tokens == t.num_seqs == 10]
     assert decode_steps and {t.graph for t in decode_steps} == {"layers"}
     assert got == want
+
+
+def test_nothing_compiles_inside_requests(llama):
+    """After the warm-up, steps of every kind (prompts of 1, 2 and 3 tokens, chunks, decode
+    batches of each bucket, a prefix hit, scoring) run without compiling anything, and give
+    eager's tokens (a 2-token prompt step once hit a recompile that failed the request)."""
+    from torch._dynamo.utils import counters
+
+    path, _ = llama
+    prompts = [random_token_ids(n, 300, seed=200 + n) for n in (1, 2, 3, 17, 70)]
+    few = SamplingParams(max_tokens=6, ignore_eos=True)
+    with LLM(path, compile=False, **SETTINGS) as eager:
+        want = [g.token_ids for g in eager.generate(prompts, few)]
+        want_one = eager.generate([prompts[1]], few)[0].token_ids
+    with LLM(path, compile=True, **SETTINGS) as llm:
+        graphs_before = counters["stats"]["unique_graphs"]
+        got = [g.token_ids for g in llm.generate(prompts, few)]
+        got_one = llm.generate([prompts[1]], few)[0].token_ids  # its 2-token prompt step alone
+        llm.score([prompts[3]])
+        assert counters["stats"]["unique_graphs"] == graphs_before
+    assert got == want and got_one == want_one

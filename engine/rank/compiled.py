@@ -28,6 +28,7 @@ from engine.rank import graph_ops
 from engine.rank.attention import StepContext
 from engine.rank.kv_cache import KVCache
 from engine.rank.padded_decode import PaddedDecode, pad_decode_step
+from parallel.gemm import MATVEC_ROWS
 
 log = logging.getLogger("engine")
 DECODE_BUCKETS = (1, 2, 4, 8)
@@ -48,6 +49,13 @@ class CompiledModel:
     def active(self) -> bool:
         return self.usable and self.enabled
 
+    def runs_layers(self, num_tokens: int) -> bool:
+        """Whether a step of `num_tokens` (not a decode graph's) runs the layers graph. Steps
+        of at most MATVEC_ROWS tokens run eagerly: with them in its range, the graph's token
+        count could not tell its projections which product to take without a guard, and
+        such steps (a prompt's last 2 tokens, say) are rare and short."""
+        return self.active and num_tokens > MATVEC_ROWS
+
     @staticmethod
     def decode_bucket(num_seqs: int) -> int | None:
         """The padded row count of a decode step of `num_seqs` sequences (None: too many)."""
@@ -56,8 +64,8 @@ class CompiledModel:
 
     def hidden_states(self, token_ids: torch.Tensor, positions: torch.Tensor,
                       ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
-        torch._dynamo.mark_dynamic(token_ids, 0)
-        torch._dynamo.mark_dynamic(positions, 0)
+        for rows in (token_ids, positions):  # > MATVEC_ROWS: the projections stay oneDNN's
+            torch._dynamo.mark_dynamic(rows, 0, min=MATVEC_ROWS + 1, max=2**24)
         with graph_ops.running(ctx, self.backend):
             return self._layers(self.model, token_ids, positions, ctx)
 

@@ -182,7 +182,8 @@ class Worker:
 
     def _hidden_states(self, token_ids: torch.Tensor, positions: torch.Tensor, ctx):
         """(hidden, residual, the graph that ran them: "" when eager)."""
-        if self.compiled is not None and self.compiled.active and isinstance(ctx, StepContext):
+        if (self.compiled is not None and self.compiled.runs_layers(len(token_ids))
+                and isinstance(ctx, StepContext)):
             return *self.compiled.hidden_states(token_ids, positions, ctx), "layers"
         return *self.model.hidden_states(token_ids, positions, ctx), ""
 
