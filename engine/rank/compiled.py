@@ -4,13 +4,16 @@
   scored) runs embedding, every layer, the final norm and this rank's slice of the LM head as
   one graph with static shapes: its rows are padded to the next size bucket, and each bucket is
   compiled once. Its float32 projections become streaming multiply-and-sum loops
-  (parallel.gemm) and its small ops fuse, so the step is the weight reads plus little else.
-- Any other step runs the layers as one graph with a dynamic token count.
+  (parallel.gemm), its paged attention is tensor math over the block table (padded_decode) and
+  its small ops fuse, so the step is the weight reads plus little else.
+- Any other step of more than MATVEC_ROWS tokens runs the layers as one graph with a dynamic
+  token count; shorter ones (rare) run eagerly.
 
-The KV store, attention and all-reduce are registered custom ops inside the graphs (graph_ops,
-parallel.comm), so nothing breaks a graph. Compilation (and Triton's, for the triton backend)
-happens in a warm-up when the rank starts, never inside a request's step timeout; a failed
-compile falls back to eager with one warning. Tracing (the walkthrough) runs eagerly.
+Nothing breaks a graph: the KV store (and, in the layers graph, attention with it) and the
+all-reduce are registered custom ops (graph_ops, parallel.comm). Compilation (and Triton's,
+for the triton backend) happens in a warm-up when the rank starts, never inside a request's
+step timeout; a failed compile falls back to eager with one warning. Tracing (the
+walkthrough) runs eagerly.
 """
 from __future__ import annotations
 
@@ -35,6 +38,8 @@ DECODE_BUCKETS = (1, 2, 4, 8)
 
 
 class CompiledModel:
+    """A rank's two kinds of graph, and which steps take which."""
+
     def __init__(self, model: nn.Module, backend):
         self.model, self.backend = model, backend
         self.usable = True  # False once compiling failed here: eager from then on
