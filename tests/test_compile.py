@@ -117,3 +117,16 @@ def test_nothing_compiles_inside_requests(llama):
         llm.score([prompts[3]])
         assert counters["stats"]["unique_graphs"] == graphs_before
     assert got == want and got_one == want_one
+
+
+def test_short_context_warms_up_within_it(llama):
+    """The warm-up's made-up steps stay inside max_model_len (they used positions up to 48,
+    so a 16-token engine failed to start, compiled or not)."""
+    path, _ = llama
+    prompt, few = random_token_ids(5, 300, seed=7), SamplingParams(max_tokens=6, ignore_eos=True)
+    with LLM(path, compile=False, max_model_len=16) as eager:
+        want = eager.generate([prompt], few)[0].token_ids
+    with LLM(path, compile=True, max_model_len=16) as llm:
+        assert llm.rank_info()[0].compiled
+        assert llm.generate([prompt], few)[0].token_ids == want
+        assert {t.graph for t in llm.step_timings()} == {"layers", "decode-1"}

@@ -99,26 +99,31 @@ def _decode(model: nn.Module, token_ids: torch.Tensor, positions: torch.Tensor,
     return model.local_logits(token_ids, positions, ctx)
 
 
-def warm_up(run_step: Callable[[int, int, int], None], compiled: CompiledModel | None = None) -> float:
-    """Run the shapes steps take (prompts, a decode step of every bucket) before any request
-    arrives, so torch.compile and Triton's compilation and autotuning happen here, not inside a
-    request's step timeout; seconds taken. If compiling fails, the rank stays eager."""
+def warm_up(run_step: Callable[[int, int, int], None], max_len: int,
+            compiled: CompiledModel | None = None) -> float:
+    """Run the shapes steps take (prompts, a decode step of every bucket), all within `max_len`
+    positions, before any request arrives, so torch.compile and Triton's compilation and
+    autotuning happen here, not inside a request's step timeout; seconds taken. If compiling
+    fails, the rank stays eager."""
     start = time.perf_counter()
     if compiled is not None:
         try:
-            _run_shapes(run_step, DECODE_BUCKETS)
+            _run_shapes(run_step, max_len, DECODE_BUCKETS)
             return time.perf_counter() - start
         except Exception as e:  # noqa: BLE001  an unsupported setup must not stop the engine
             compiled.usable = False
             log.warning("compile=True failed on this setup (%s: %s); running eagerly instead",
                         type(e).__name__, str(e).splitlines()[0] if str(e) else "")
-    _run_shapes(run_step, (1,))
+    _run_shapes(run_step, max_len, (1,))
     return time.perf_counter() - start
 
 
-def _run_shapes(run_step: Callable[[int, int, int], None], decode_rows: tuple[int, ...]) -> None:
-    """run_step(tokens per sequence, start position, sequences)."""
-    for num_tokens, start_position in ((16, 0), (48, 0)):
-        run_step(num_tokens, start_position, 1)
+def _run_shapes(run_step: Callable[[int, int, int], None], max_len: int,
+                decode_rows: tuple[int, ...]) -> None:
+    """run_step(tokens per sequence, start position, sequences): two prompt lengths, then a
+    decode step after the longer prompt's context."""
+    prompts = sorted({min(16, max_len), min(48, max_len)})
+    for num_tokens in prompts:
+        run_step(num_tokens, 0, 1)
     for num_seqs in decode_rows:
-        run_step(1, 48, num_seqs)
+        run_step(1, min(48, max_len - 1), num_seqs)

@@ -79,7 +79,7 @@ class Worker:
         if plan.compile:
             self.compiled = CompiledModel(self.model, backend)
         if plan.compile or plan.backend == "triton":
-            self.warmup_s = warm_up(self._warm_up_step, self.compiled)
+            self.warmup_s = warm_up(self._warm_up_step, plan.max_model_len, self.compiled)
 
     def _warm_up_step(self, num_tokens: int, start: int, num_seqs: int) -> None:
         """A step of `num_seqs` sequences of made-up tokens, all in the first blocks, which no
