@@ -58,6 +58,7 @@ def main() -> None:
                 "engine, compile=True": dict(dtype=args.dtype, compile=True)}
     if args.dtype == "float32":
         settings["engine, bf16 decode weights"] = dict(decode_dtype="bfloat16")
+        settings["compile=True, bf16 decode weights"] = dict(decode_dtype="bfloat16", compile=True)
     best, tokens = {name: float("inf") for name in settings} | {"hf": float("inf")}, {}
     warmup = {}
     for name, extra in settings.items():
@@ -80,7 +81,7 @@ def main() -> None:
     print(f"transformers {1 / best['hf']:6.1f} tok/s")
     for name in settings:
         read = weight_bytes * (0.5 if "bf16" in name else 1.0)
-        print(f"{name:<28} {1 / best[name]:6.1f} tok/s  ratio {best['hf'] / best[name]:.2f}x  "
+        print(f"{name:<34} {1 / best[name]:6.1f} tok/s  ratio {best['hf'] / best[name]:.2f}x  "
               f"{_agreement(tokens[name], tokens['hf'])}; weights read per token "
               f"{read / 1e6:.0f} MB at {read / best[name] / 1e9:.1f} GB/s = "
               f"{read / best[name] / bandwidth:.0%} of the {bandwidth / 1e9:.1f} GB/s read "

@@ -118,9 +118,6 @@ def _check_decode_dtype(cfg: EngineConfig) -> None:
     _require(torch.backends.mkldnn.is_available(),
              "decode_dtype='bfloat16' needs torch's oneDNN (mkldnn), which this torch build "
              "lacks; unset decode_dtype")
-    _require(cfg.compile is not True,
-             "decode_dtype='bfloat16' with compile=True: not supported together; set "
-             "compile=False")
 
 
 def _check_context_parallel(cfg: EngineConfig) -> None:

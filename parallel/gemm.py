@@ -27,9 +27,16 @@ def _onednn_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def _low_precision(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """A float32 input against bfloat16 weights (oneDNN-packed, engine.rank.decode_weights):
-    the product runs in bf16 with float32 accumulation; its result and the bias are float32."""
-    y = torch.ops.mkldnn._linear_pointwise(x.to(weight.dtype), weight, None, "none", [], "")
+    """A float32 input against bfloat16 weights (engine.rank.decode_weights; oneDNN-packed
+    when eager): the product runs in bf16 with float32 accumulation, or, in a graph of at most
+    MATVEC_ROWS fixed rows, as a float32 multiply-and-sum reading the bf16 weight; its result
+    and the bias are float32."""
+    if torch.compiler.is_compiling():
+        if _few_fixed_rows(x):
+            return _matvec(x, weight.to(x.dtype), bias)
+        y = onednn_linear(x.to(weight.dtype), weight, None)
+    else:
+        y = torch.ops.mkldnn._linear_pointwise(x.to(weight.dtype), weight, None, "none", [], "")
     y = y.to(x.dtype)
     return y if bias is None else y + bias
 
@@ -65,7 +72,8 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    if weight.is_mkldnn:
+    if weight.is_mkldnn or (weight.dtype == torch.bfloat16 and x.dtype == torch.float32
+                            and weight.device.type == "cpu" and _HAVE_ONEDNN):
         return _low_precision(x, weight, bias)
     if not _onednn_usable(x, weight):
         return F.linear(x, weight, bias)

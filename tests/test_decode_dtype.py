@@ -29,16 +29,22 @@ def reference(tiny_model_dir):
         return path, llm.prefill([PROMPT + [NEXT]])[0].logits
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_single_token_steps_read_bf16_copies(request, reference, tp):
+@pytest.mark.parametrize("tp,compiled", [(1, False), (2, False), (1, True)])
+def test_single_token_steps_read_bf16_copies(request, reference, tp, compiled):
+    """Eager, and in the compiled decode graph (whose 1-row products stream the bf16 copies
+    as a float32 multiply-and-sum)."""
     if tp > 1:
         request.getfixturevalue("ray_cluster")
     path, want = reference
-    with LLM(path, tp=tp, decode_dtype="bfloat16") as llm:
+    with LLM(path, tp=tp, decode_dtype="bfloat16", compile=compiled) as llm:
         got = _one_token_step_logits(llm)
+        if compiled:
+            assert llm.step_timings()[-1].graph == "decode-1"
         # a multi-token step reads the float32 weights: as float32 as the reference
         whole = llm.prefill([PROMPT + [NEXT, NEXT]])[0]
         assert whole.cached_tokens == len(PROMPT)
+        if compiled:  # a 2-token step: eager, with the float32 weights
+            assert llm.step_timings()[-1].graph == ""
         with LLM(path, tp=tp) as fp32:
             want_whole = fp32.prefill([PROMPT + [NEXT, NEXT]])[0].logits
             weight_bytes = sum(i.weight_bytes for i in fp32.rank_info())
@@ -68,7 +74,6 @@ def test_greedy_decode_runs_and_returns_to_fp32(tiny_model_dir):
     (dict(decode_dtype="float16"), "decode_dtype='float16'"),
     (dict(decode_dtype=True), "decode_dtype=True"),
     (dict(decode_dtype="bfloat16", dtype="bfloat16"), "dtype='bfloat16'"),
-    (dict(decode_dtype="bfloat16", compile=True), "compile=True"),
 ])
 def test_bad_settings_are_refused(tiny_model_dir, settings, named):
     with pytest.raises(ConfigError, match=named):

@@ -90,3 +90,20 @@ def test_compiled_decode_rows(rows, uses_onednn):
     torch.testing.assert_close(got.double(), _reference(x, w, b), rtol=0, atol=1e-5 * 20)
     inductor = torch.compile(fn, dynamic=False)(x)
     torch.testing.assert_close(inductor.double(), _reference(x, w, b), rtol=0, atol=1e-5 * 20)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_float32_rows_against_bf16_weight(rows, compiled):
+    """decode_dtype's plain bf16 copies (compile=True keeps them unpacked): float32 rows in and
+    out, the product as exact as bf16 inputs allow (the 1-row graph reads the weight in float32)."""
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(40, 64, generator=gen).to(torch.bfloat16)
+    b, x = torch.randn(40, generator=gen), torch.randn(rows, 64, generator=gen)
+    fn = torch.compile(gemm.linear, dynamic=False) if compiled else gemm.linear
+    y = fn(x, w, b)
+    assert y.dtype == torch.float32
+    exact = x.double() @ w.double().t() + b.double()  # only x's rounding to bf16 may differ
+    torch.testing.assert_close(y.double(), exact, rtol=1e-2, atol=0.05)
+    if compiled and rows == 1:  # the multiply-and-sum keeps x in float32: near exact
+        torch.testing.assert_close(y.double(), exact, rtol=0, atol=1e-4)

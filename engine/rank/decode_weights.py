@@ -23,12 +23,14 @@ _PROJECTIONS = (ColumnParallelLinear, RowParallelLinear, ParallelLMHead)
 class DecodeWeights:
     """Swaps every projection's weight between the model's own and its low-precision copy."""
 
-    def __init__(self, model: nn.Module, dtype: torch.dtype):
+    def __init__(self, model: nn.Module, dtype: torch.dtype, packed: bool = True):
         self.modules = [m for m in model.modules() if isinstance(m, _PROJECTIONS)]
         self.full = [m.weight for m in self.modules]
-        # packed for one row at a time: the layout oneDNN reads fastest in a decode step
-        self.low = [torch.ops.mkldnn._reorder_linear_weight(w.detach().to(dtype), 1)
-                    for w in self.full]
+        # packed: for one row at a time, the layout oneDNN reads fastest in an eager decode
+        # step; plain (compile=True), for a graph, which cannot take oneDNN's opaque layout and
+        # streams the rows itself (parallel.gemm)
+        self.low = [torch.ops.mkldnn._reorder_linear_weight(w.detach().to(dtype), 1) if packed
+                    else w.detach().to(dtype) for w in self.full]
         self.nbytes = sum(w.numel() * dtype.itemsize for w in self.full)
 
     @contextmanager

@@ -63,7 +63,7 @@ class Worker:
             p.data = torch.empty_like(p.data, device=self.device, dtype=plan.dtype)
         self.model.to(self.device)
         self._load(checkpoint or open_checkpoint(plan.source))
-        self.decode_weights = (DecodeWeights(self.model, plan.decode_dtype)
+        self.decode_weights = (DecodeWeights(self.model, plan.decode_dtype, packed=not plan.compile)
                                if plan.decode_dtype is not None else None)
         self.cache = KVCache(plan.model.num_layers, plan.num_blocks, plan.block_size,
                              shard.heads.num_kv_heads, plan.model.head_dim, plan.dtype, self.device)
@@ -124,8 +124,11 @@ class Worker:
                         self.compiled is not None and self.compiled.usable, self.warmup_s)
 
     def execute(self, batch: Batch) -> StepResult | None:
-        # one new token per sequence and nothing scored: a decode step
+        # one new token per sequence and nothing scored: a decode step; compiled, only the
+        # decode graph reads the copies (the layers graph was compiled for the model's own)
         decode = batch.num_tokens == batch.num_seqs and not batch.score_indices
+        if self.compiled is not None and self.compiled.active:
+            decode = self._decode_graph_rows(batch) is not None
         if self.decode_weights is not None and decode:
             with self.decode_weights.active():
                 return self._execute(batch)
