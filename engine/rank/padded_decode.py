@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.batch import Batch
+from engine.rank.kernels.step_metadata import pack_to_device
 from engine.rank.kv_cache import KVCache
 
 
@@ -39,12 +40,13 @@ def pad_decode_step(batch: Batch, cache: KVCache, kv_head_of_q: torch.Tensor, ro
     width = max(2, -(-max(batch.context_lens) // cache.block_size))
     tables = [t[:width] + [0] * (width - len(t[:width])) for t in batch.block_tables]
 
-    def padded(values: list) -> torch.Tensor:
-        return torch.tensor(values + values[-1:] * pad, device=device)
-
-    meta = PaddedDecode(cache, padded(batch.slot_mapping), padded(tables),
-                        padded(batch.context_lens), kv_head_of_q)
-    return padded(batch.token_ids), padded(batch.positions), meta
+    lists = {"ids": batch.token_ids, "positions": batch.positions, "slots": batch.slot_mapping,
+             "lens": batch.context_lens, "table": [b for t in tables for b in t]}
+    # one host->device copy for the whole step (pinned and non-blocking on CUDA)
+    t = pack_to_device({name: values + values[-(len(values) // batch.num_seqs):] * pad
+                        for name, values in lists.items()}, device)  # + the last row, repeated
+    meta = PaddedDecode(cache, t["slots"], t["table"].view(rows, width), t["lens"], kv_head_of_q)
+    return t["ids"], t["positions"], meta
 
 
 def padded_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

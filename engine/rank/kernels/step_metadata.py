@@ -106,7 +106,7 @@ def _to_device(values: list[int], device: torch.device) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
-def _pack(parts: dict[str, list[int]], device: torch.device) -> dict[str, torch.Tensor]:
+def pack_to_device(parts: dict[str, list[int]], device: torch.device) -> dict[str, torch.Tensor]:
     """The lists laid end to end in one int32 tensor, copied once; each name gets its view."""
     packed = _to_device([v for values in parts.values() for v in values], device)
     views, at = {}, 0
@@ -146,7 +146,7 @@ def build_step_metadata(cu_seqlens_q: list[int], context_lens: list[int],
         parts["slots"] = list(slot_mapping)
     if not isinstance(kv_head_of_q, torch.Tensor):
         parts["heads"] = heads
-    views = _pack(parts, device)
+    views = pack_to_device(parts, device)
 
     max_kv = max(context_lens, default=0)
     num_kv_heads = len(group_rows)
