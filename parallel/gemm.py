@@ -50,8 +50,10 @@ MATVEC_ROWS = 2
 
 
 def _few_fixed_rows(x: torch.Tensor) -> bool:
-    # a dynamic row count (a symbol while compiling) is a prompt-sized graph: oneDNN's
-    return isinstance(x.shape[0], int) and x.shape[0] <= MATVEC_ROWS and x.dtype == torch.float32
+    # dynamo treats a symbolic row count as an int, so this would guard a dynamic graph on it:
+    # engine.rank.compiled bounds its dynamic token count below at MATVEC_ROWS + 1, which makes
+    # the comparison false there without a guard
+    return x.shape[0] <= MATVEC_ROWS and x.dtype == torch.float32
 
 
 def _matvec(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

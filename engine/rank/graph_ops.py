@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Iterator
 
 import torch
 
+from engine.rank.kv_cache import store_into
+
 if TYPE_CHECKING:
     from engine.rank.attention import StepContext
 
@@ -70,6 +72,4 @@ def kv_store(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, layer: int,
     hkv, d], the rank's whole cache). The compiled decode graph's store: written in the graph
     itself, the cache would be copied whole at every step (inductor does not write a graph
     input in place), while a custom op marked as writing it does."""
-    k_cache, v_cache = cache[0, layer], cache[1, layer]
-    k_cache.view(-1, *k.shape[1:])[slot_mapping] = k
-    v_cache.view(-1, *v.shape[1:])[slot_mapping] = v
+    store_into(cache, layer, k, v, slot_mapping)

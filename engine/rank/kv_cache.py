@@ -26,9 +26,7 @@ class KVCache:
 
     def store(self, i: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Scatter the new tokens' K/V ([T, kv_heads, d]) into their slots."""
-        k_cache, v_cache = self.layer(i)
-        k_cache.view(-1, *k.shape[1:])[slot_mapping] = k
-        v_cache.view(-1, *v.shape[1:])[slot_mapping] = v
+        store_into(self.data, i, k, v, slot_mapping)
 
     def gather(self, i: int, block_table: list[int] | torch.Tensor,
                length: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,3 +40,11 @@ class KVCache:
         k = k_cache.index_select(0, blocks).flatten(0, 1)[:length]
         v = v_cache.index_select(0, blocks).flatten(0, 1)[:length]
         return k, v
+
+
+def store_into(data: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor,
+               slot_mapping: torch.Tensor) -> None:
+    """K/V [T, kv_heads, d] into their slots of `layer` in a cache's `data` ([k|v, layer,
+    block, slot in block, kv head, head dim])."""
+    data[0, layer].view(-1, *k.shape[1:])[slot_mapping] = k
+    data[1, layer].view(-1, *v.shape[1:])[slot_mapping] = v

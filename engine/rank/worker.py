@@ -124,22 +124,22 @@ class Worker:
                         self.compiled is not None and self.compiled.usable, self.warmup_s)
 
     def execute(self, batch: Batch) -> StepResult | None:
+        graph_rows = self._decode_graph_rows(batch)
         # one new token per sequence and nothing scored: a decode step; compiled, only the
         # decode graph reads the copies (the layers graph was compiled for the model's own)
-        decode = batch.num_tokens == batch.num_seqs and not batch.score_indices
+        decode = _one_token_rows(batch)
         if self.compiled is not None and self.compiled.active:
-            decode = self._decode_graph_rows(batch) is not None
+            decode = graph_rows is not None
         if self.decode_weights is not None and decode:
             with self.decode_weights.active():
-                return self._execute(batch)
-        return self._execute(batch)
+                return self._execute(batch, graph_rows)
+        return self._execute(batch, graph_rows)
 
-    def _execute(self, batch: Batch) -> StepResult | None:
+    def _execute(self, batch: Batch, graph_rows: int | None) -> StepResult | None:
         if self.context is not None:
             return self.context.execute(batch)
         dev, started = self.device, self.step_clocks()
         indices = torch.tensor(batch.logits_indices, device=dev, dtype=torch.long)
-        graph_rows = self._decode_graph_rows(batch)
         if graph_rows is not None:
             logits, score = self._decode_graph_logits(batch, graph_rows, indices), None
             graph = f"decode-{graph_rows}"
@@ -169,9 +169,7 @@ class Worker:
 
     def _decode_graph_rows(self, batch: Batch) -> int | None:
         """The compiled decode graph's row count for this step; None: not a step it runs."""
-        if self.compiled is None or not self.compiled.active or batch.score_indices:
-            return None
-        if batch.num_tokens != batch.num_seqs:  # some sequence brings more than one token
+        if self.compiled is None or not self.compiled.active or not _one_token_rows(batch):
             return None
         return self.compiled.decode_bucket(batch.num_seqs)
 
@@ -292,3 +290,8 @@ class Worker:
             except Exception as e:  # noqa: BLE001  reported to the driver, which frees the blocks
                 errors.append(f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
         return errors
+
+
+def _one_token_rows(batch: Batch) -> bool:
+    """Every sequence brings one new token and nothing is scored: a decode step's shape."""
+    return batch.num_tokens == batch.num_seqs and not batch.score_indices
