@@ -152,9 +152,9 @@ def causal_pairs(q_len: int, kv_len: int) -> int:
 
 
 def prefill_row(length: int, q_len: int, head_dim: int, dtype: torch.dtype,
-                device: torch.device, args) -> dict:
+                device: torch.device, args, autotune: bool | None = None) -> dict:
     """One sequence: q_len new tokens at the end of a length-token context (q_len == length:
-    a whole prompt, else a chunk after a cached prefix)."""
+    a whole prompt, else a chunk after a cached prefix). autotune=False: the default tile."""
     from torch.nn.attention.bias import causal_lower_right
 
     q, k, v, cache, step = paged([q_len], [length], head_dim, dtype, device)
@@ -164,7 +164,8 @@ def prefill_row(length: int, q_len: int, head_dim: int, dtype: torch.dtype,
     mask = None if whole else causal_lower_right(q_len, length)
     sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(  # noqa: E731
         q4, k4, v4, attn_mask=mask, is_causal=whole, scale=scale)
-    triton_fn = lambda: triton_attention(0, q, k, v, cache, step, scale)  # noqa: E731
+    triton_fn = lambda: triton_attention(0, q, k, v, cache, step, scale,  # noqa: E731
+                                         autotune=autotune)
     err = rel_err(triton_fn(), sdpa()[0].transpose(0, 1))  # checked once, untimed
     flops = 4 * HEADS * head_dim * causal_pairs(q_len, length)
     t_ms = time_ms(triton_fn, device, args.warmup, args.iters)
@@ -176,8 +177,8 @@ def prefill_row(length: int, q_len: int, head_dim: int, dtype: torch.dtype,
             "head_dim": head_dim, "triton_ms": t_ms, "sdpa_ms": s_ms,
             "triton_tflops": tflops(flops, t_ms), "sdpa_tflops": tflops(flops, s_ms),
             "sdpa_backend": backend, "rel_err": err,
-            "triton_config": str(best) if best is not None and device.type == "cuda" else
-            "fixed (interpreter)"}
+            "triton_config": "default tile" if autotune is False else
+            str(best) if best is not None and device.type == "cuda" else "fixed (interpreter)"}
 
 
 def decode_row(length: int, head_dim: int, dtype: torch.dtype, device: torch.device,

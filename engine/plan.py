@@ -53,6 +53,7 @@ class EnginePlan:
     overlap_comm: bool = False  # split each multi-token step in two, all-reduces overlapped
     cp: int = 1  # context-parallel ranks; a replica is world_size (TP) x cp rank actors
     decode_dtype: torch.dtype | None = None  # weights decode steps read, if not the model's
+    max_num_batched_tokens: int = 8192  # the most tokens one step holds (the scheduler's budget)
 
     @property
     def on_cuda(self) -> bool:
@@ -137,7 +138,8 @@ def make_plan(cfg: EngineConfig, source: str, mc: ModelConfig) -> EnginePlan:
                       heads,
                       even_ranges(mc.intermediate_size, cfg.tp), even_ranges(mc.vocab_size, cfg.tp),
                       overlap_comm=cfg.overlap_comm, cp=cfg.cp,
-                      decode_dtype=DTYPES.get(cfg.decode_dtype))
+                      decode_dtype=DTYPES.get(cfg.decode_dtype),
+                      max_num_batched_tokens=cfg.max_num_batched_tokens)
 
 
 def _num_blocks(cfg: EngineConfig, mc: ModelConfig, heads: list[HeadPartition],

@@ -45,24 +45,52 @@ def init_process_group(master_addr: str, master_port: int, rank: int, world_size
 
 
 class CollectiveClock:
-    """Host seconds spent inside collectives in this process, only ever growing: a caller reads
-    it before and after a step and takes the difference (exact on CPU; on CUDA it counts only
-    the launch unless the caller synchronizes).
+    """Seconds spent in collectives by this process, only ever growing: a caller reads it before
+    and after a step and takes the difference.
 
     `seconds` is the *exposed* time: the rank blocked, waiting on a collective. `busy_seconds`
     is the *total* time collectives were in flight, start to finish, whether or not the rank
     computed meanwhile. A blocking collective adds the same to both; an overlapped one
     (`all_reduce_async`) adds its whole flight to `busy_seconds` and only the wait to `seconds`.
+
+    On a CPU (gloo) both are host time. On CUDA the host only enqueues NCCL work, so host time
+    would read ~0: a collective there is timed with CUDA events on the compute stream (the
+    stream's wait on it is the exposed time), and `settle()` turns the recorded spans into
+    seconds once the device has run them (after the step's synchronize).
     """
 
     def __init__(self) -> None:
         self.seconds = 0.0
         self.busy_seconds = 0.0
+        self._spans: list[tuple] = []  # CUDA events: (flight start, wait start, end)
 
     def add_since(self, start: float) -> None:
         spent = time.perf_counter() - start
         self.seconds += spent
         self.busy_seconds += spent
+
+    def add_device_span(self, flight_start, wait_start, end) -> None:
+        self._spans.append((flight_start, wait_start, end))
+
+    def settle(self) -> None:
+        """Add the recorded CUDA spans; call once the device has finished them."""
+        for flight_start, wait_start, end in self._spans:
+            self.seconds += wait_start.elapsed_time(end) / 1e3
+            self.busy_seconds += flight_start.elapsed_time(end) / 1e3
+        self._spans.clear()
+
+    def discard(self) -> None:
+        """Drop the recorded spans unread (a rank whose step time nobody reads)."""
+        self._spans.clear()
+
+
+def device_event(x: torch.Tensor):
+    """A timing event recorded now on the current CUDA stream; None for a host tensor."""
+    if not x.is_cuda:
+        return None
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
 
 
 CLOCK = CollectiveClock()  # one per process, i.e. one per rank
@@ -97,10 +125,18 @@ def rank() -> int:
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum over ranks, in place. A no-op for a world of one."""
     if world_size() > 1:
-        start = time.perf_counter()
+        start, event = time.perf_counter(), device_event(x)
         dist.all_reduce(x, group=_TP_GROUP)
-        CLOCK.add_since(start)
+        _add_blocking(start, event, x)
     return x
+
+
+def _add_blocking(start: float, event, x: torch.Tensor) -> None:
+    """A blocking collective begun at host time `start` (and CUDA event `event`) has ended."""
+    if event is None:
+        CLOCK.add_since(start)
+    else:  # the compute stream waited on it from the start: all of it is exposed
+        CLOCK.add_device_span(event, event, device_event(x))
 
 
 @torch.library.custom_op("prefill::all_reduce", mutates_args=())
@@ -118,10 +154,10 @@ def _(x: torch.Tensor) -> torch.Tensor:
 class PendingAllReduce:
     """An all-reduce in flight; `wait()` returns the summed tensor (the same storage)."""
 
-    def __init__(self, x: torch.Tensor, work, start: float):
-        self.x, self._work, self._start = x, work, start
+    def __init__(self, x: torch.Tensor, work, start: float, start_event=None):
+        self.x, self._work, self._start, self._start_event = x, work, start, start_event
         self._done_at: float | None = None
-        if work is not None:
+        if work is not None and start_event is None:
             # the completion time, taken on the communication thread, measures the flight
             work.get_future().then(self._mark_done)
 
@@ -130,6 +166,12 @@ class PendingAllReduce:
 
     def wait(self) -> torch.Tensor:
         if self._work is None:
+            return self.x
+        if self._start_event is not None:  # CUDA: the compute stream's wait is the exposed part
+            before = device_event(self.x)
+            self._work.wait()
+            CLOCK.add_device_span(self._start_event, before, device_event(self.x))
+            self._work = None
             return self.x
         before = time.perf_counter()
         self._work.wait()
@@ -146,8 +188,8 @@ def all_reduce_async(x: torch.Tensor) -> PendingAllReduce:
     NCCL on its own stream); the caller computes something else, then `wait()`s."""
     if world_size() == 1:
         return PendingAllReduce(x, None, 0.0)
-    start = time.perf_counter()
-    return PendingAllReduce(x, dist.all_reduce(x, group=_TP_GROUP, async_op=True), start)
+    start, event = time.perf_counter(), device_event(x)
+    return PendingAllReduce(x, dist.all_reduce(x, group=_TP_GROUP, async_op=True), start, event)
 
 
 def gather_last_dim(x: torch.Tensor, sizes: list[int]) -> torch.Tensor | None:
@@ -161,9 +203,9 @@ def gather_last_dim(x: torch.Tensor, sizes: list[int]) -> torch.Tensor | None:
     width = max(sizes)
     padded = torch.nn.functional.pad(x, (0, width - x.shape[-1])).contiguous()
     parts = [torch.empty_like(padded) for _ in sizes] if rank() == 0 else None
-    start = time.perf_counter()
+    start, event = time.perf_counter(), device_event(padded)
     dist.gather(padded, parts, group=_TP_GROUP, group_dst=0)
-    CLOCK.add_since(start)
+    _add_blocking(start, event, padded)
     if rank() != 0:
         return None
     return torch.cat([p[..., :n] for p, n in zip(parts, sizes)], dim=-1)

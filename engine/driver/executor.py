@@ -77,7 +77,7 @@ class Executor(ABC):
 
 class InProcessExecutor(Executor):
     def __init__(self, plan: EnginePlan, checkpoint: Checkpoint):
-        self.worker: Worker | None = Worker(plan, checkpoint=checkpoint)
+        self.worker: Worker | None = Worker(plan, checkpoint=checkpoint, device=plan.device)
 
     def _launch(self, method: Callable, *args: Any) -> Finished:
         if self.worker is None:

@@ -21,7 +21,7 @@ import bisect
 import logging
 import time
 import types
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -29,6 +29,7 @@ from torch import nn
 from engine.batch import Batch
 from engine.rank import graph_ops
 from engine.rank.attention import StepContext
+from engine.rank.cuda_graphs import DecodeGraphs, widths_up_to
 from engine.rank.kv_cache import KVCache
 from engine.rank.padded_decode import PaddedDecode, pad_decode_step
 from parallel.gemm import MATVEC_ROWS
@@ -49,6 +50,18 @@ class CompiledModel:
         # this process never push this one's graphs out to eager
         self._layers = torch.compile(_own_code(_layers), fullgraph=True)  # token count dynamic
         self._decode = torch.compile(_own_code(_decode), dynamic=False, fullgraph=True)
+        self.cuda_graphs: DecodeGraphs | None = None  # on CUDA, once captured
+
+    def capture_decode_graphs(self, cache: KVCache, kv_head_of_q: torch.Tensor,
+                              max_model_len: int) -> None:
+        """On CUDA, after the warm-up compiled the decode graphs: capture each bucket at each
+        table width, so decode steps replay instead of launching kernel by kernel."""
+        def run(token_ids, positions, meta):
+            with torch.no_grad():
+                return self._decode(self.model, token_ids, positions, meta)
+
+        self.cuda_graphs = DecodeGraphs(run, cache, kv_head_of_q, kv_head_of_q.device)
+        self.cuda_graphs.capture(DECODE_BUCKETS, widths_up_to(max_model_len, cache.block_size))
 
     @property
     def active(self) -> bool:
@@ -77,7 +90,11 @@ class CompiledModel:
     def decode_logits(self, batch: Batch, cache: KVCache, kv_head_of_q: torch.Tensor,
                       rows: int) -> torch.Tensor:
         """This rank's logits slice for each sequence of a decode step, run as the graph of
-        `rows` (>= the step's sequences) rows."""
+        `rows` (>= the step's sequences) rows: replayed where a CUDA graph fits it."""
+        if self.cuda_graphs is not None:
+            logits = self.cuda_graphs.replay(batch, rows)
+            if logits is not None:
+                return logits
         token_ids, positions, meta = pad_decode_step(batch, cache, kv_head_of_q, rows,
                                                      kv_head_of_q.device)
         torch._dynamo.mark_dynamic(meta.block_table, 1)  # one graph for every context length
@@ -100,30 +117,33 @@ def _decode(model: nn.Module, token_ids: torch.Tensor, positions: torch.Tensor,
 
 
 def warm_up(run_step: Callable[[int, int, int], None], max_len: int,
-            compiled: CompiledModel | None = None) -> float:
-    """Run the shapes steps take (prompts, a decode step of every bucket), all within `max_len`
-    positions, before any request arrives, so torch.compile and Triton's compilation and
-    autotuning happen here, not inside a request's step timeout; seconds taken. If compiling
-    fails, the rank stays eager."""
+            compiled: CompiledModel | None = None,
+            tuning_steps: Sequence[tuple[int, int]] = ()) -> float:
+    """Run the shapes steps take (prompts, a decode step of every bucket, the autotuner's
+    (tokens per sequence, sequences) steps), all within `max_len` positions, before any request arrives,
+    so torch.compile and Triton's compilation and autotuning happen here, not inside a request's
+    step timeout; seconds taken. If compiling fails, the rank stays eager."""
     start = time.perf_counter()
     if compiled is not None:
         try:
-            _run_shapes(run_step, max_len, DECODE_BUCKETS)
+            _run_shapes(run_step, max_len, DECODE_BUCKETS, tuning_steps)
             return time.perf_counter() - start
         except Exception as e:  # noqa: BLE001  an unsupported setup must not stop the engine
             compiled.usable = False
             log.warning("compile=True failed on this setup (%s: %s); running eagerly instead",
                         type(e).__name__, str(e).splitlines()[0] if str(e) else "")
-    _run_shapes(run_step, max_len, (1,))
+    _run_shapes(run_step, max_len, (1,), tuning_steps)
     return time.perf_counter() - start
 
 
 def _run_shapes(run_step: Callable[[int, int, int], None], max_len: int,
-                decode_rows: tuple[int, ...]) -> None:
-    """run_step(tokens per sequence, start position, sequences): two prompt lengths, then a
-    decode step after the longer prompt's context."""
+                decode_rows: tuple[int, ...], tuning_steps: Sequence[tuple[int, int]]) -> None:
+    """run_step(tokens per sequence, start position, sequences): two prompt lengths, the
+    tuning steps, then a decode step after the longer prompt's context."""
     prompts = sorted({min(16, max_len), min(48, max_len)})
     for num_tokens in prompts:
         run_step(num_tokens, 0, 1)
+    for num_tokens, num_seqs in tuning_steps:
+        run_step(num_tokens, 0, num_seqs)
     for num_seqs in decode_rows:
         run_step(1, min(48, max_len - 1), num_seqs)

@@ -20,6 +20,7 @@ from engine.rank.backend import select_backend
 from engine.rank.compiled import CompiledModel, warm_up
 from engine.rank.decode_weights import DecodeWeights
 from engine.rank.host_memory import keep_freed_memory
+from engine.rank.kernels.config import tuning_steps
 from engine.rank.kernels.step_metadata import build_step_metadata
 from engine.rank.kv_cache import KVCache
 from engine.rank.model import CausalLM
@@ -40,13 +41,15 @@ class Sampler(nn.Module):
 
 class Worker:
     def __init__(self, plan: EnginePlan, rank: int = 0, world_size: int = 1,
-                 checkpoint: Checkpoint | None = None):
+                 checkpoint: Checkpoint | None = None, device: str | None = None):
+        """`device`: where this rank computes; None: the plan's device type at index 0, the one
+        GPU Ray shows a rank actor (the in-process executor passes the plan's own device)."""
         assert world_size == plan.world_size * plan.cp, (world_size, plan.world_size, plan.cp)
         if plan.num_threads:
             torch.set_num_threads(plan.num_threads)
         self.plan, self.rank = plan, rank
-        self.device = torch.device(plan.device)
-        if plan.on_cuda:  # a Ray actor sees its own GPU as device 0
+        self.device = indexed_device(device or torch.device(plan.device).type)
+        if plan.on_cuda:
             torch.cuda.set_device(self.device)
         else:
             keep_freed_memory()
@@ -79,7 +82,17 @@ class Worker:
         if plan.compile:
             self.compiled = CompiledModel(self.model, backend)
         if plan.compile or plan.backend == "triton":
-            self.warmup_s = warm_up(self._warm_up_step, plan.max_model_len, self.compiled)
+            # on a GPU the flash prefill autotunes per token bucket: every bucket a step can
+            # fall in is tuned here (under the interpreter it runs one tile: nothing to tune)
+            tuning = (tuning_steps(plan.max_num_batched_tokens, plan.max_model_len)
+                      if plan.on_cuda and plan.backend == "triton" else ())
+            self.warmup_s = warm_up(self._warm_up_step, plan.max_model_len, self.compiled,
+                                    tuning)
+        if plan.on_cuda and self.compiled is not None and self.compiled.usable:
+            start = time.perf_counter()
+            self.compiled.capture_decode_graphs(self.cache, self.kv_head_of_q_device,
+                                                plan.max_model_len)
+            self.warmup_s += time.perf_counter() - start
 
     def _warm_up_step(self, num_tokens: int, start: int, num_seqs: int) -> None:
         """A step of `num_seqs` sequences of made-up tokens, all in the first blocks, which no
@@ -138,15 +151,14 @@ class Worker:
     def _execute(self, batch: Batch, graph_rows: int | None) -> StepResult | None:
         if self.context is not None:
             return self.context.execute(batch)
-        dev, started = self.device, self.step_clocks()
-        indices = torch.tensor(batch.logits_indices, device=dev, dtype=torch.long)
+        started = self.step_clocks()
         if graph_rows is not None:
-            logits, score = self._decode_graph_logits(batch, graph_rows, indices), None
+            logits, score = self._decode_graph_logits(batch, graph_rows), None
             graph = f"decode-{graph_rows}"
         else:
-            x, residual, graph = self._hidden_states(torch.tensor(batch.token_ids, device=dev),
-                                                     torch.tensor(batch.positions, device=dev),
-                                                     self._step_context(batch))
+            ctx = self._step_context(batch)
+            tokens, positions, indices = self._step_inputs(batch, ctx)
+            x, residual, graph = self._hidden_states(tokens, positions, ctx)
             logits = self.model.logits(x, residual, indices)
             score = score_batch(self.model, x, residual, batch)  # None unless it scores rows
         result = self.step_result(started, score)
@@ -158,14 +170,26 @@ class Worker:
         return result
 
     def _step_context(self, batch: Batch):
-        """The step's metadata, on the device in one copy, read by every layer (two halves'
-        worth when the step overlaps its all-reduces with compute)."""
+        """The step's metadata and inputs, on the device in one copy, read by every layer (two
+        halves' worth when the step overlaps its all-reduces with compute)."""
         if self.plan.overlap_comm and self.plan.world_size > 1 and batch.num_tokens >= 2:
             return make_split_context(batch, self.cache, self.kv_head_of_q, self.device,
                                       self.uniform_groups)
+        inputs = {"token_ids": batch.token_ids, "positions": batch.positions,
+                  "logits_indices": batch.logits_indices}
         return StepContext(self.cache, build_step_metadata(
             batch.cu_seqlens_q, batch.context_lens, batch.block_tables, batch.slot_mapping,
-            self.kv_head_of_q, self.device, uniform_groups=self.uniform_groups))
+            self.kv_head_of_q, self.device, uniform_groups=self.uniform_groups, inputs=inputs))
+
+    def _step_inputs(self, batch: Batch, ctx) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(token ids, positions, logits rows) on the device: the views packed with the step's
+        metadata, or (a split step's) copies of their own."""
+        meta = getattr(ctx, "meta", None)
+        if getattr(meta, "token_ids", None) is not None:
+            return meta.token_ids, meta.positions, meta.logits_indices
+        return (torch.tensor(batch.token_ids, device=self.device),
+                torch.tensor(batch.positions, device=self.device),
+                torch.tensor(batch.logits_indices, device=self.device, dtype=torch.long))
 
     def _decode_graph_rows(self, batch: Batch) -> int | None:
         """The compiled decode graph's row count for this step; None: not a step it runs."""
@@ -173,12 +197,16 @@ class Worker:
             return None
         return self.compiled.decode_bucket(batch.num_seqs)
 
-    def _decode_graph_logits(self, batch: Batch, rows: int,
-                             indices: torch.Tensor) -> torch.Tensor | None:
+    def _decode_graph_logits(self, batch: Batch, rows: int) -> torch.Tensor | None:
         local = self.compiled.decode_logits(batch, self.cache, self.kv_head_of_q_device, rows)
-        if not len(indices):  # every rank sees the same batch, so all skip the gather together
+        if not batch.logits_indices:  # every rank sees the same batch: all skip the gather
             return None
-        logits = self.model.lm_head.gather(local[indices])
+        # a decode step samples every sequence, i.e. the graph's first rows: no index copy
+        if batch.logits_indices == list(range(len(batch.logits_indices))):
+            local = local[:len(batch.logits_indices)]
+        else:
+            local = local[torch.tensor(batch.logits_indices, device=self.device)]
+        logits = self.model.lm_head.gather(local)
         return None if logits is None else logits.float()
 
     def _hidden_states(self, token_ids: torch.Tensor, positions: torch.Tensor, ctx):
@@ -197,10 +225,12 @@ class Worker:
                     score=None) -> StepResult | None:
         """Rank 0's result for a step begun at `started` (from `step_clocks`): the forward's time
         and its exposed and total collective time; None on the other ranks."""
+        if self.rank != 0:  # only rank 0 answers: the others queue the next step at once
+            comm.CLOCK.discard()
+            return None
         if self.plan.on_cuda:  # the timers read host time: let the device catch up first
             torch.cuda.synchronize(self.device)
-        if self.rank != 0:
-            return None
+        comm.CLOCK.settle()
         start, exposed, busy = started
         result = StepResult([], None, time.perf_counter() - start, comm.CLOCK.seconds - exposed,
                             score=score)
@@ -290,6 +320,13 @@ class Worker:
             except Exception as e:  # noqa: BLE001  reported to the driver, which frees the blocks
                 errors.append(f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
         return errors
+
+
+def indexed_device(device: str) -> torch.device:
+    """`device` with an index on CUDA: torch.cuda.set_device refuses a bare "cuda", and a
+    bare one elsewhere would mean "the current device", whatever another thread set."""
+    dev = torch.device(device)
+    return torch.device("cuda", dev.index or 0) if dev.type == "cuda" else dev
 
 
 def _one_token_rows(batch: Batch) -> bool:

@@ -48,6 +48,30 @@ PREFILL_TUNE_SPACE = [_DEFAULT_TILE] + [
     for s in (2, 3, 4) if (m, n, w, s) != _DEFAULT_TILE]  # 12 configs: ~30 s of compiling
 
 
+# Token counts the prefill is tuned for: a step is tuned as the smallest bucket holding its token
+# count (the largest beyond it). A tile that wins at 16k tokens loses at 1k (fewer programs than
+# SMs), so one tuning for every length is wrong; a power of four keeps the warm-up short.
+TUNE_TOKEN_BUCKETS = (16, 64, 256, 1024, 4096, 16384)
+
+
+def tune_bucket(num_tokens: int) -> int:
+    """The autotuner's key for a step of `num_tokens` new tokens."""
+    return next((b for b in TUNE_TOKEN_BUCKETS if num_tokens <= b), TUNE_TOKEN_BUCKETS[-1])
+
+
+def tuning_steps(max_step_tokens: int, max_len: int) -> list[tuple[int, int]]:
+    """One prompt step per bucket that steps of at most `max_step_tokens` tokens fall in, as
+    (tokens per sequence <= max_len, sequences): what a warm-up runs to tune every bucket."""
+    steps = []
+    for size in sorted({min(b, max_step_tokens) for b in TUNE_TOKEN_BUCKETS}):
+        seqs = -(-size // max_len)
+        # of the two even splits, one whose total stays in size's bucket
+        per = next(n for n in (size // seqs, -(-size // seqs))
+                   if tune_bucket(n * seqs) == tune_bucket(size))
+        steps.append((per, seqs))
+    return steps
+
+
 def defaults_for(device: torch.device | str) -> KernelDefaults:
     return GPU_DEFAULTS if torch.device(device).type == "cuda" else INTERPRETER_DEFAULTS
 

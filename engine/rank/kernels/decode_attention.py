@@ -24,7 +24,7 @@ from engine.rank.kv_cache import KVCache
 
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_table"])  # the table's width changes every few steps
 def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, ctx_ptr, table_ptr, group_ptr,
                          part_acc_ptr, part_m_ptr, part_l_ptr, qk_scale,
                          stride_qb, stride_qh,

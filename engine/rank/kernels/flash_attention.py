@@ -30,7 +30,8 @@ import triton
 import triton.language as tl
 
 from engine.rank.attention import AttentionMetadata
-from engine.rank.kernels.config import GPU_DEFAULTS, PREFILL_TUNE_SPACE, KernelDefaults
+from engine.rank.kernels.config import (GPU_DEFAULTS, PREFILL_TUNE_SPACE, KernelDefaults,
+                                        tune_bucket)
 from engine.rank.kernels.interpreter import needs_fp32_dot
 from engine.rank.kernels.online_softmax import LOG2E, dot_precision, fold_tile
 from engine.rank.kernels.paging import load_kv_tile
@@ -83,10 +84,13 @@ def _find_tile(cu_sorted_ptr, num_seqs, tile, TOKENS: tl.constexpr):
     return lo, tile - (tl.load(cu_sorted_ptr + lo) // TOKENS + lo)
 
 
-@triton.jit
+# Integers that change from step to step are not specialised on (Triton would compile a new
+# variant the first time one is 1, or stops being a multiple of 16, inside a request); tune_tokens
+# is read only by the autotuner, as its key.
+@triton.jit(do_not_specialize=["num_seqs", "stride_table", "tune_tokens"])
 def _flash_prefill_kernel(q_ptr, out_ptr, k_cache_ptr, v_cache_ptr,
                           cu_q_ptr, ctx_ptr, order_ptr, cu_sorted_ptr, table_ptr, group_ptr,
-                          num_seqs, qk_scale,
+                          num_seqs, tune_tokens, qk_scale,
                           stride_qt, stride_qh, stride_ot, stride_oh,
                           stride_cblock, stride_cslot, stride_chead, stride_table,
                           BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr,
@@ -151,17 +155,20 @@ def _keep_configs_that_fit(configs, named_args, **kwargs):
 
 def prefill_autotuner(tiles: list[tuple[int, int, int, int]]):
     """The prefill kernel behind triton.autotune over (block_m, block_n, warps, stages) tiles,
-    tuned once per (head dim, group width, page size, dtypes): never per token count."""
+    tuned once per (token bucket, head dim, group width, page size, dtypes): the warm-up tunes
+    every bucket the engine's steps fall in (config.tuning_steps)."""
     configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
                for m, n, w, s in tiles]
-    return triton.autotune(configs, key=["HEAD_DIM", "GROUP", "BLOCK_SIZE"],
+    return triton.autotune(configs, key=["tune_tokens", "HEAD_DIM", "GROUP", "BLOCK_SIZE"],
                            prune_configs_by={"early_config_prune": _keep_configs_that_fit}
                            )(_flash_prefill_kernel)
 
 
-# under the interpreter one config, the GPU's default: no search (it would need a GPU to time)
+# one config, the GPU's default, under the interpreter (no search: it would need a GPU to time)
+# and with PREFILL_AUTOTUNE=0 (the GPU check's kernel tests: a search compiles 12 tiles per shape)
 _flash_prefill_tuned = prefill_autotuner(
-    PREFILL_TUNE_SPACE[:1] if os.environ.get("TRITON_INTERPRET") == "1" else PREFILL_TUNE_SPACE)
+    PREFILL_TUNE_SPACE[:1] if os.environ.get("TRITON_INTERPRET") == "1"
+    or os.environ.get("PREFILL_AUTOTUNE") == "0" else PREFILL_TUNE_SPACE)
 _TUNE_CONFIGS = _flash_prefill_tuned.configs
 
 
@@ -188,7 +195,7 @@ def triton_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
     fp32_dot = needs_fp32_dot(q)
     precision = dot_precision(q.dtype, fp32_dot)
     args = (q, out, k_cache, v_cache, step.cu_q, step.ctx, step.order, step.cu_sorted, step.table,
-            step.groups, step.num_seqs, scale * LOG2E,
+            step.groups, step.num_seqs, tune_bucket(num_tokens), scale * LOG2E,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), step.table.stride(0))
     consts = dict(BLOCK_SIZE=cache.block_size, HEAD_DIM=head_dim, GROUP=group, BLOCK_D=block_d,

@@ -59,6 +59,10 @@ class StepMetadata:
     is_decode: bool  # exactly one new token per sequence
     decode_kv_per_split: int
     defaults: KernelDefaults
+    # the step's own inputs, when the caller packed them in the same copy (the worker does)
+    token_ids: torch.Tensor | None = None  # [T]
+    positions: torch.Tensor | None = None  # [T]
+    logits_indices: torch.Tensor | None = None  # rows that sample a token
 
     @property
     def num_seqs(self) -> int:
@@ -119,10 +123,12 @@ def build_step_metadata(cu_seqlens_q: list[int], context_lens: list[int],
                         block_tables: list[list[int]], slot_mapping: list[int] | torch.Tensor,
                         kv_head_of_q: list[int] | torch.Tensor, device: torch.device | str,
                         uniform_groups: bool = False,
-                        defaults: KernelDefaults | None = None) -> StepMetadata:
+                        defaults: KernelDefaults | None = None,
+                        inputs: dict[str, list[int]] | None = None) -> StepMetadata:
     """Everything the attention and KV-store kernels read, for one step, on `device`. Pass
     slot_mapping and kv_head_of_q as lists to have them in the same single copy (a device
-    tensor is kept as it is; a device kv_head_of_q costs one read back here, once per step)."""
+    tensor is kept as it is; a device kv_head_of_q costs one read back here, once per step).
+    `inputs` (token_ids, positions, logits_indices) ride in that copy too."""
     device = torch.device(device)
     defaults = defaults or defaults_for(device)
     num_seqs = len(context_lens)
@@ -146,6 +152,7 @@ def build_step_metadata(cu_seqlens_q: list[int], context_lens: list[int],
         parts["slots"] = list(slot_mapping)
     if not isinstance(kv_head_of_q, torch.Tensor):
         parts["heads"] = heads
+    parts.update(inputs or {})
     views = pack_to_device(parts, device)
 
     max_kv = max(context_lens, default=0)
@@ -161,7 +168,8 @@ def build_step_metadata(cu_seqlens_q: list[int], context_lens: list[int],
         cu_sorted=views["cu_sorted"], table=views["table"].view(num_seqs, width),
         groups=views["groups"].view(num_kv_heads, group_width), num_tokens=cu_seqlens_q[-1],
         max_kv=max_kv, num_kv_heads=num_kv_heads, group_width=group_width, is_decode=is_decode,
-        decode_kv_per_split=per_split, defaults=defaults)
+        decode_kv_per_split=per_split, defaults=defaults, token_ids=views.get("token_ids"),
+        positions=views.get("positions"), logits_indices=views.get("logits_indices"))
 
 
 def as_step_metadata(meta, device: torch.device) -> StepMetadata:

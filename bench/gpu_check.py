@@ -1,0 +1,227 @@
+"""The GPU check's measurements, one section per call, each figure saved the moment it exists.
+
+    python -m bench.gpu_check SECTION --json FILE [--dry-run]
+
+`scripts/gpu_check.sh` runs the sections in order, each under its own time limit, all into one
+JSON file that is rewritten after every measurement (a section cut short keeps what it had).
+Needs torch, Triton and transformers only: no Ray, Hydra, gguf or network (the device image's
+python). `--dry-run` runs every section at tiny sizes on this machine (the CPU, Triton
+interpreted): it proves the script, not the figures.
+
+Sections, in the order the check runs them:
+  versions         python, torch, Triton, the GPU (fails where no GPU is visible, unless dry run)
+  tokens           the engine's bf16 greedy tokens, torch and Triton backends, TP=1 (same tokens?)
+  flash            flash prefill TF/s, head dim 128, causal, 1k/8k: default tile, tuned tile, SDPA
+  peak             the bf16 matmul peak, every MFU's denominator
+  engine_eager     an engine of Llama-3-8B's layer shape (4 layers, random): start-up, prefill
+                   1k/8k with MFU, compile off
+  engine_compiled  the same with compile=True: start-up (compile + autotune), prefill, MFU
+  decode           the decode kernel's K/V read rate
+  tp2              one rank's compute at TP=2's shapes (half the heads and FFN), prefill 1k/8k
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+ON_CUDA = torch.cuda.is_available()
+if not ON_CUDA:  # before the kernels import triton (bench.kernel_bench does)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                 num_key_value_heads=8, vocab_size=32000, rope_theta=500000.0)
+TINY = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=512, rope_theta=10000.0)
+
+
+class Report:
+    """One JSON file shared by every section's process; `put` rewrites it at once."""
+
+    def __init__(self, path: str, section: str):
+        self.path, self.section = Path(path), section
+        self.data = json.loads(self.path.read_text()) if self.path.exists() else {}
+
+    def put(self, key: str, value) -> None:
+        self.data.setdefault(self.section, {})[key] = value
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.data, indent=1, default=str))
+        tmp.replace(self.path)
+        print(f"[{self.section}] {key}: {json.dumps(value, default=str)[:400]}", flush=True)
+
+    def get(self, section: str, key: str):
+        return self.data.get(section, {}).get(key)
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", 0) if ON_CUDA else torch.device("cpu")
+
+
+def _model_dir(shape: dict, layers: int, root: Path) -> str:
+    """A random bf16 Llama of `shape` saved once under root (sections share it)."""
+    from bench.engine_gpu_bench import save_model
+
+    name = f"llama_h{shape['hidden_size']}_l{layers}_kv{shape['num_key_value_heads']}"
+    path = root / name
+    if not (path / "config.json").exists():
+        small = shape is TINY
+        save_model(path, small, layers, 8192, _device()) if not small else _save_tiny(path)
+    return str(path)
+
+
+def _save_tiny(path: Path) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model("llama", **TINY, num_hidden_layers=2,
+                               max_position_embeddings=8192)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(path)
+
+
+def _engine(path: str, backend: str, compile_: bool, max_tokens: int):
+    """(LLM, seconds to start it: load, warm-up, compile, autotune)."""
+    from engine import LLM
+
+    start = time.perf_counter()
+    llm = LLM(path, device=str(_device()), dtype="bfloat16" if ON_CUDA else "float32",
+              attention_backend=backend, compile=compile_, max_num_batched_tokens=max_tokens,
+              max_model_len=max_tokens, kv_cache_gb=None if ON_CUDA else 0.25,
+              step_timeout_s=600.0)
+    return llm, time.perf_counter() - start
+
+
+def versions(report: Report, args) -> None:
+    import sys
+
+    import triton
+
+    report.put("python", sys.version.split()[0])
+    report.put("torch", f"{torch.__version__} (CUDA {torch.version.cuda})")
+    report.put("triton", triton.__version__)
+    report.put("triton_interpret", os.environ.get("TRITON_INTERPRET"))
+    if ON_CUDA:
+        p = torch.cuda.get_device_properties(0)
+        report.put("gpu", {"name": p.name, "sms": p.multi_processor_count,
+                           "memory_gib": round(p.total_memory / 2**30),
+                           "capability": f"{p.major}.{p.minor}"})
+    elif not args.dry_run:
+        raise SystemExit("no CUDA device visible to this python: nothing to check")
+
+
+def tokens(report: Report, args) -> None:
+    from engine import SamplingParams
+
+    path = _model_dir(TINY if args.dry_run else dict(LLAMA3_8B, vocab_size=4096), 2,
+                      args.models)
+    ids = torch.randint(3, 512, (48,), generator=torch.Generator().manual_seed(1)).tolist()
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    out = {}
+    for backend in ("torch", "triton"):
+        llm, startup = _engine(path, backend, False, 1024)
+        with llm:
+            [g] = llm.generate([ids], params)
+        out[backend] = g.token_ids
+        report.put(f"{backend}_tokens", {"tokens": g.token_ids, "startup_s": round(startup, 2)})
+    same = next((i for i, (a, b) in enumerate(zip(out["torch"], out["triton"])) if a != b), None)
+    report.put("same_tokens", {"identical": same is None, "first_difference_at": same})
+
+
+def flash(report: Report, args) -> None:
+    from bench.kernel_bench import prefill_row
+
+    kb = _kernel_args(args)
+    for length in kb.lengths:
+        for tuned in (False, True):
+            row = prefill_row(length, length, 128, _dtype(), _device(), kb, autotune=tuned)
+            report.put(f"prefill_{length}_{'tuned' if tuned else 'default'}_tile", row)
+
+
+def peak(report: Report, args) -> None:
+    from bench.kernel_bench import matmul_peak
+
+    report.put("matmul", matmul_peak(_device(), _dtype(), 256 if args.dry_run else 8192,
+                                     _kernel_args(args)))
+
+
+def _prefill_rows(report: Report, llm, lengths: list[int], prefix: str) -> None:
+    """Median prefill of each length (fresh prompts: never a prefix-cache hit), with MFU."""
+    from bench.engine_gpu_bench import prefill_rows
+
+    peak_tf = (report.get("peak", "matmul") or {}).get("tflops")
+    ns = argparse.Namespace(engine_lengths=lengths, engine_repeats=1 if len(lengths) < 2 else 3)
+    for row in prefill_rows(llm, ns, _device(), peak_tf):
+        report.put(f"{prefix}prefill_{row['tokens']}", row)
+
+
+def _engine_section(report: Report, args, compile_: bool, shape: dict) -> None:
+    path = _model_dir(TINY if args.dry_run else shape, 2 if args.dry_run else 4, args.models)
+    # the dry run's engines take the torch backend: interpreted Triton would only be slow
+    llm, startup = _engine(path, "triton" if ON_CUDA else "torch", compile_, max(args.lengths))
+    report.put("startup_s", round(startup, 2))
+    with llm:
+        info = llm.rank_info()[0]
+        report.put("rank", {"compiled": info.compiled, "warmup_s": round(info.warmup_s, 2),
+                            "weight_bytes": info.weight_bytes})
+        _prefill_rows(report, llm, args.lengths, "")
+
+
+def engine_eager(report: Report, args) -> None:
+    _engine_section(report, args, False, LLAMA3_8B)
+
+
+def engine_compiled(report: Report, args) -> None:
+    _engine_section(report, args, True, LLAMA3_8B)
+
+
+def tp2(report: Report, args) -> None:
+    """Rank 0 of TP=2 computes on half the query/KV heads and half the FFN: a TP=1 engine of
+    that shape does the same work, without the all-reduces."""
+    half = dict(LLAMA3_8B, num_attention_heads=16, num_key_value_heads=4, intermediate_size=7168,
+                hidden_size=4096)
+    _engine_section(report, args, False, half)
+
+
+def decode(report: Report, args) -> None:
+    from bench.kernel_bench import decode_row
+
+    kb = _kernel_args(args)
+    for length in kb.lengths:
+        report.put(f"decode_{length}", decode_row(length, 128, _dtype(), _device(), kb))
+
+
+def _dtype() -> torch.dtype:
+    return torch.bfloat16 if ON_CUDA else torch.float32
+
+
+def _kernel_args(args) -> argparse.Namespace:
+    return argparse.Namespace(lengths=args.lengths, warmup=0 if args.dry_run else 3,
+                              iters=1 if args.dry_run else 20,
+                              decode_seqs=2 if args.dry_run else 16)
+
+
+SECTIONS = {f.__name__: f for f in (versions, tokens, flash, peak, engine_eager, engine_compiled, decode,
+                                    tp2)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("section", choices=list(SECTIONS))
+    ap.add_argument("--json", required=True)
+    ap.add_argument("--dry-run", action="store_true", help="tiny sizes on this machine")
+    ap.add_argument("--models", type=Path, default=Path("/tmp/gpu_check_models"))
+    args = ap.parse_args(argv)
+    args.lengths = [48] if args.dry_run else [1024, 8192]
+    torch.set_grad_enabled(False)
+    report = Report(args.json, args.section)
+    report.put("device", torch.cuda.get_device_name(0) if ON_CUDA else "cpu (dry run)")
+    start = time.perf_counter()
+    SECTIONS[args.section](report, args)
+    report.put("section_s", round(time.perf_counter() - start, 1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,171 @@
+"""Build a CUDA rank and step it under fake CUDA (tests/fake_cuda.py); print what it recorded.
+
+    python -m tests.fake_cuda_run MODEL_DIR CACHE_DIR   # one JSON object on the last line
+
+Runs in a process of its own, without TRITON_INTERPRET (the GPU's kernels and tile sizes), for
+each scenario: the torch and the Triton backend, at TP=1 and at rank 0 and rank 1 of TP=2's
+shapes (no process group: the collectives of a world of one), each building the plan (KV cache
+sized from the fake GPU's free memory) and a `Worker` on `cuda`, then running two prompt steps
+and two decode steps of lengths the warm-up did not run. `tests/test_fake_cuda.py` reads it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from engine.batch import Batch, SamplingSpec
+from tests.fake_cuda import GIB, FakeGpu, Recorder, fake_cuda
+
+BLOCK = 16
+FREE_BYTES = GIB  # what the fake GPU reports free: sizes the KV cache
+SCENARIOS = [("torch", 1, 0), ("torch", 2, 0), ("torch", 2, 1),
+             ("triton", 1, 0), ("triton", 2, 0)]
+# (name, tokens per sequence, start position, sequences): lengths the warm-up never ran
+STEPS = [("prefill", 37, 0, 2), ("prefill", 100, 0, 1), ("decode", 1, 37, 2),
+         ("decode", 1, 140, 3), ("decode", 1, 5, 1)]
+
+
+def make_batch(num_tokens: int, start: int, num_seqs: int) -> Batch:
+    """`num_seqs` sequences of `num_tokens` new tokens after `start` cached ones, each in its own
+    blocks (block ids 1..), logits at each sequence's last token."""
+    per_seq = -(-(start + num_tokens) // BLOCK)
+    tables = [list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)) for i in range(num_seqs)]
+    positions = list(range(start, start + num_tokens)) * num_seqs
+    slots = [tables[i][p // BLOCK] * BLOCK + p % BLOCK
+             for i in range(num_seqs) for p in range(start, start + num_tokens)]
+    return Batch([7] * len(positions), positions, list(range(0, len(positions) + 1, num_tokens)),
+                 [start + num_tokens] * num_seqs, slots, tables,
+                 list(range(num_tokens - 1, len(positions), num_tokens)),
+                 [SamplingSpec()] * num_seqs)
+
+
+def _events(rec: Recorder, mark: int) -> dict:
+    """What one stretch of work cost the (fake) GPU."""
+    ev = rec.since(mark)
+    return {
+        "h2d": [e.detail for e in ev if e.kind == "h2d"],
+        "d2h": len([e for e in ev if e.kind == "d2h"]),
+        "syncs": [{"where": e.where, "stack": e.detail["stack"]} for e in ev if e.kind == "sync"],
+        "cuda_calls": [e.kind for e in ev if e.kind.startswith("cuda:")],
+        "launches": [{"kernel": e.detail["kernel"], "devices": e.detail["devices"],
+                      "specialization": list(e.detail["specialization"]),
+                      "where": e.where} for e in ev if e.kind == "launch"],
+        "autotune_benches": [e.detail for e in ev if e.kind == "autotune-bench"],
+    }
+
+
+def run_scenario(model_dir: str, rec: Recorder, backend: str, tp: int, rank: int) -> dict:
+    from engine.config import EngineConfig
+    from engine.loading.checkpoint import open_checkpoint
+    from engine.plan import make_plan
+    from engine.rank.worker import Worker
+
+    cfg = EngineConfig.from_kwargs(model=model_dir, device="cuda", tp=tp, compile=False,
+                                   attention_backend=backend, block_size=BLOCK,
+                                   max_model_len=256)
+    ckpt = open_checkpoint(model_dir)
+    mark = rec.mark()
+    plan = make_plan(cfg, model_dir, ckpt.config)
+    worker = Worker(plan, rank=rank, world_size=tp, checkpoint=ckpt)
+    out = {"build": _events(rec, mark), "num_blocks": plan.num_blocks,
+           "weight_bytes_per_rank": sum(p.numel() * p.element_size()
+                                        for p in worker.model.parameters()),
+           "set_device": [e.detail["index"] for e in rec.since(mark, "cuda:set_device")],
+           "devices": sorted({str(t.device) for t in [*worker.model.parameters(),
+                                                      *worker.model.buffers(),
+                                                      worker.cache.data]}),
+           "cache_shape": list(worker.cache.data.shape), "steps": []}
+    for name, num_tokens, start, num_seqs in STEPS:
+        mark = rec.mark()
+        result = worker.execute(make_batch(num_tokens, start, num_seqs))
+        step = _events(rec, mark)
+        step.update(name=name, num_tokens=num_tokens * num_seqs, num_seqs=num_seqs,
+                    tokens=None if result is None else result.token_ids,
+                    comm_exposed_s=None if result is None else result.collective_s,
+                    comm_total_s=None if result is None else result.comm_total_s)
+        out["steps"].append(step)
+    return out
+
+
+GRAPH_STEPS = [(37, 2), (140, 3), (5, 1), (37, 9)]  # (context before, sequences): decode steps
+
+
+def run_cuda_graphs(model_dir: str, rec: Recorder) -> dict:
+    """Capture the decode step of every bucket and width (the eager padded decode standing in
+    for the compiled one, which needs a GPU to compile), then replay decode steps."""
+    from engine.config import EngineConfig
+    from engine.loading.checkpoint import open_checkpoint
+    from engine.plan import make_plan
+    from engine.rank.compiled import DECODE_BUCKETS, CompiledModel
+    from engine.rank.cuda_graphs import DecodeGraphs, widths_up_to
+    from engine.rank.worker import Worker
+
+    cfg = EngineConfig.from_kwargs(model=model_dir, device="cuda", compile=False,
+                                   attention_backend="torch", block_size=BLOCK,
+                                   max_model_len=256)
+    ckpt = open_checkpoint(model_dir)
+    worker = Worker(make_plan(cfg, model_dir, ckpt.config), checkpoint=ckpt)
+    graphs = DecodeGraphs(worker.model.local_logits, worker.cache, worker.kv_head_of_q_device,
+                          worker.device)
+    mark = rec.mark()
+    graphs.capture(DECODE_BUCKETS, widths_up_to(256, BLOCK))
+    out = {"capture": {**_events(rec, mark), "events": [e.kind for e in rec.since(mark)]},
+           "captured": sorted(graphs.graphs), "usable": graphs.usable,
+           "input_buffers": {f"{r}x{w}": id(c.inputs) for (r, w), c in graphs.graphs.items()},
+           "replays": []}
+    for start, seqs in GRAPH_STEPS:
+        batch = make_batch(1, start, seqs)
+        rows = CompiledModel.decode_bucket(seqs)
+        mark = rec.mark()
+        logits = graphs.replay(batch, rows) if rows is not None else None
+        step = _events(rec, mark)
+        step.update(seqs=seqs, context=start + 1, rows=rows, replayed=logits is not None,
+                    logits_shape=None if logits is None else list(logits.shape),
+                    graph_replays=len(rec.since(mark, "cuda:graph.replay")),
+                    into=[e.detail.get("into") for e in rec.since(mark, "h2d")])
+        out["replays"].append(step)
+    return out
+
+
+def _process_group(tp: int, rank: int):
+    """TP=2's collectives go through torch.distributed's own "fake" backend (no peer: every
+    collective returns at once), so the NCCL-side code runs on device tensors; TP=1: none."""
+    import contextlib
+
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if tp == 1:
+        return contextlib.nullcontext()
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=tp)
+    return contextlib.closing(SimpleNamespace(close=dist.destroy_process_group))
+
+
+def main(model_dir: str, cache_dir: str) -> None:
+    assert "TRITON_INTERPRET" not in os.environ, "run the GPU's kernels, not the interpreter"
+    results = {}
+    for backend, tp, rank in SCENARIOS:
+        with _process_group(tp, rank), fake_cuda(Path(cache_dir),
+                                                 FakeGpu(free_bytes=FREE_BYTES)) as rec:
+            try:
+                results[f"{backend}-tp{tp}-rank{rank}"] = run_scenario(model_dir, rec, backend,
+                                                                       tp, rank)
+            except Exception as e:  # noqa: BLE001  reported to the test, which shows it
+                import traceback
+
+                results[f"{backend}-tp{tp}-rank{rank}"] = {
+                    "error": f"{type(e).__name__}: {e}"[:2000],
+                    "traceback": traceback.format_exc()[-6000:]}
+    with fake_cuda(Path(cache_dir), FakeGpu(free_bytes=FREE_BYTES)) as rec:
+        results["cuda-graphs"] = run_cuda_graphs(model_dir, rec)
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    main(*sys.argv[1:3])

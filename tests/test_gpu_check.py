@@ -1,0 +1,52 @@
+"""scripts/gpu_check.sh, the one prepared call for a lent GPU: its time limits fit one device
+call, it runs bench.gpu_check's sections in the documented order, and a section run here (dry
+run: tiny sizes, Triton interpreted) writes its figures into the shared JSON as it goes."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from bench import gpu_check
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = (ROOT / "scripts" / "gpu_check.sh").read_text()
+DEVICE_CALL_LIMIT_S = 360  # what one call may take, start-up of the machine not counted
+
+
+def _limits() -> list[tuple[str, int]]:
+    sections = re.findall(r"^\s*section (\w+) (\d+)", SCRIPT, re.M)
+    steps = re.findall(r'^\s*step "([^"]+)" \$\(\((\d+) \* SCALE\)\)', SCRIPT, re.M)
+    return [(n, int(s)) for n, s in sections + steps]
+
+
+def test_time_limits_fit_one_device_call():
+    limits = _limits()
+    assert len(limits) == len(gpu_check.SECTIONS) + 1  # + the kernel tests
+    assert sum(s for _, s in limits) < DEVICE_CALL_LIMIT_S, limits
+
+
+def test_sections_run_in_the_documented_order():
+    ran = re.findall(r"^\s*section (\w+) \d+", SCRIPT, re.M)
+    assert ran == list(gpu_check.SECTIONS)
+    documented = re.findall(r"^  (\w+)\s{2,}", gpu_check.__doc__, re.M)
+    assert documented == ran
+
+
+def test_sections_save_each_figure_into_one_json(tmp_path):
+    """Two sections in a row, as the script runs them: each adds its own figures beside the
+    other's. The tokens section also checks the torch and Triton backends agree."""
+    out = tmp_path / "gpu_check.json"
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    for section in ("peak", "tokens"):
+        proc = subprocess.run([sys.executable, "-m", "bench.gpu_check", section, "--json",
+                               str(out), "--dry-run", "--models", str(tmp_path / "models")],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["peak"]["matmul"]["tflops"] > 0
+    assert report["tokens"]["same_tokens"] == {"identical": True, "first_difference_at": None}
+    assert len(report["tokens"]["torch_tokens"]["tokens"]) == 16
