@@ -67,9 +67,12 @@ def _model_dir(shape: dict, layers: int, root: Path) -> str:
 
     name = f"llama_h{shape['hidden_size']}_l{layers}_kv{shape['num_key_value_heads']}"
     path = root / name
-    if not (path / "config.json").exists():
-        small = shape is TINY
-        save_model(path, small, layers, 8192, _device()) if not small else _save_tiny(path)
+    if (path / "config.json").exists():
+        return str(path)
+    if shape is TINY:
+        _save_tiny(path)
+    else:
+        save_model(path, False, layers, 8192, _device())
     return str(path)
 
 
