@@ -25,7 +25,7 @@ def hand_count(cfg: dict, tokens: int, tp: int = 1, elem: int = 4) -> tuple[int,
         f = even_ranges(ffn, tp)[r][1] - even_ranges(ffn, tp)[r][0]
         v = even_ranges(V, tp)[r][1] - even_ranges(V, tp)[r][0]
         qkv = (q + 2 * kv) * hd
-        nbytes += 8 * T + 2 * T * d * elem  # embedding: ids, rows read, rows written
+        nbytes += 4 * T + 2 * T * d * elem  # embedding: int32 ids, rows read, rows written
         for layer in range(L):
             norm_flops, norm_bytes = (4, 2) if layer == 0 else (5, 4)  # layer 0 has no residual yet
             flops += norm_flops * T * d + 5 * T * d  # input norm, post-attention norm
