@@ -96,13 +96,14 @@ GRAPH_STEPS = [(37, 2), (140, 3), (5, 1), (37, 9)]  # (context before, sequences
 
 
 def run_cuda_graphs(model_dir: str, rec: Recorder) -> dict:
-    """Capture the decode step of every bucket and width (the eager padded decode standing in
-    for the compiled one, which needs a GPU to compile), then replay decode steps."""
+    """A compiled rank's decode CUDA graphs: captured for every bucket and width, then decode
+    steps through CompiledModel.decode_logits. Its decode function runs as its eager self here
+    (compiling for CUDA needs a GPU); everything around it is the engine's own."""
     from engine.config import EngineConfig
     from engine.loading.checkpoint import open_checkpoint
     from engine.plan import make_plan
-    from engine.rank.compiled import DECODE_BUCKETS, CompiledModel
-    from engine.rank.cuda_graphs import DecodeGraphs, widths_up_to
+    from engine.rank import compiled as compiled_mod
+    from engine.rank.backend import TORCH
     from engine.rank.worker import Worker
 
     cfg = EngineConfig.from_kwargs(model=model_dir, device="cuda", compile=False,
@@ -110,25 +111,33 @@ def run_cuda_graphs(model_dir: str, rec: Recorder) -> dict:
                                    max_model_len=256)
     ckpt = open_checkpoint(model_dir)
     worker = Worker(make_plan(cfg, model_dir, ckpt.config), checkpoint=ckpt)
-    graphs = DecodeGraphs(worker.model.local_logits, worker.cache, worker.kv_head_of_q_device,
-                          worker.device)
+    model = compiled_mod.CompiledModel(worker.model, TORCH)
+    model._decode = compiled_mod._decode  # the graph's function, uncompiled
     mark = rec.mark()
-    graphs.capture(DECODE_BUCKETS, widths_up_to(256, BLOCK))
+    model.capture_decode_graphs(worker.cache, worker.kv_head_of_q_device, 256)
+    graphs = model.cuda_graphs
     out = {"capture": {**_events(rec, mark), "events": [e.kind for e in rec.since(mark)]},
            "captured": sorted(graphs.graphs), "usable": graphs.usable,
            "input_buffers": {f"{r}x{w}": id(c.inputs) for (r, w), c in graphs.graphs.items()},
            "replays": []}
     for start, seqs in GRAPH_STEPS:
         batch = make_batch(1, start, seqs)
-        rows = CompiledModel.decode_bucket(seqs)
+        rows = model.decode_bucket(seqs)  # None: more rows than any graph, an eager step
         mark = rec.mark()
-        logits = graphs.replay(batch, rows) if rows is not None else None
+        logits = (model.decode_logits(batch, worker.cache, worker.kv_head_of_q_device, rows)
+                  if rows is not None else None)
         step = _events(rec, mark)
-        step.update(seqs=seqs, context=start + 1, rows=rows, replayed=logits is not None,
+        step.update(seqs=seqs, context=start + 1, rows=rows,
                     logits_shape=None if logits is None else list(logits.shape),
                     graph_replays=len(rec.since(mark, "cuda:graph.replay")),
                     into=[e.detail.get("into") for e in rec.since(mark, "h2d")])
         out["replays"].append(step)
+    graphs.usable = False  # as after a failed capture: every step runs the uncaptured graph
+    mark = rec.mark()
+    logits = model.decode_logits(make_batch(1, 37, 2), worker.cache,
+                                 worker.kv_head_of_q_device, 2)
+    out["uncaptured"] = {"graph_replays": len(rec.since(mark, "cuda:graph.replay")),
+                         "logits_shape": list(logits.shape), **_events(rec, mark)}
     return out
 
 

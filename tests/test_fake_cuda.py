@@ -130,8 +130,9 @@ def test_cuda_graphs_capture_every_bucket_and_width_in_one_go(runs):
 
 
 def test_decode_steps_replay_into_their_graphs_static_inputs(runs, tiny_model_dir):
-    """Each decode step fills the static buffer of the graph for (its row bucket, the power of
-    two >= its table width) with one pinned copy and replays it; 9 sequences fit no graph."""
+    """Each decode step (CompiledModel.decode_logits) fills the static buffer of the graph for
+    (its row bucket, the power of two >= its table width) with one pinned copy and replays it;
+    9 sequences are more than the largest bucket: the worker runs them eagerly."""
     from tests.fake_cuda_run import GRAPH_STEPS
 
     run = runs["cuda-graphs"]
@@ -140,9 +141,15 @@ def test_decode_steps_replay_into_their_graphs_static_inputs(runs, tiny_model_di
     for (start, seqs), step in zip(GRAPH_STEPS, run["replays"]):
         assert step["syncs"] == []
         if (start, seqs) not in expected:
-            assert not step["replayed"] and step["graph_replays"] == 0  # the uncaptured graph
+            assert step["rows"] is None and step["graph_replays"] == 0  # an eager step
             continue
-        assert step["replayed"] and step["graph_replays"] == 1
+        assert step["graph_replays"] == 1
         assert step["into"] == [run["input_buffers"][expected[(start, seqs)]]]
         assert step["h2d"][0]["pinned"] and step["h2d"][0]["non_blocking"]
         assert step["logits_shape"] == [seqs, vocab]
+
+
+def test_without_graphs_decode_runs_the_uncaptured_graph(runs):
+    step = runs["cuda-graphs"]["uncaptured"]
+    assert step["graph_replays"] == 0 and step["logits_shape"][0] == 2
+    assert len(step["h2d"]) == 1 and step["syncs"] == []  # padded_decode's own packed copy

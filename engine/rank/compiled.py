@@ -57,6 +57,7 @@ class CompiledModel:
         """On CUDA, after the warm-up compiled the decode graphs: capture each bucket at each
         table width, so decode steps replay instead of launching kernel by kernel."""
         def run(token_ids, positions, meta):
+            torch._dynamo.mark_dynamic(meta.block_table, 1)  # one graph for every width
             with torch.no_grad():
                 return self._decode(self.model, token_ids, positions, meta)
 
