@@ -1,0 +1,86 @@
+"""How every Hydra app starts and how it ends on bad input.
+
+A bad key (a value the app or the engine refuses, a model that does not load) ends the app with
+one line on stderr naming the key, the value and the fix, and exit code 2, as a command-line tool's
+usage errors do; Hydra's own override errors (an unknown key, say) exit 2 as well. The traceback
+comes only with HYDRA_FULL_ERROR=1. Anything else is a bug and keeps Hydra's report.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from typing import Any, Callable
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from engine.errors import ConfigError, InvalidRequestError, ModelLoadError
+from launcher.common import CONF_DIR
+
+USAGE_ERROR = 2
+
+
+class BadSetting(ValueError):
+    """A key of a Hydra app whose value cannot be used; the message names it and the fix."""
+
+
+BAD_INPUT = (BadSetting, ConfigError, InvalidRequestError, ModelLoadError)
+
+
+def hydra_app(config_name: str) -> Callable[[Callable[[DictConfig], Any]], Callable[[], None]]:
+    """`@hydra_app("generate")` on `task(cfg)`: the console entry point, `main()`."""
+    def decorate(task: Callable[[DictConfig], Any]) -> Callable[[], None]:
+        started = False
+
+        @functools.wraps(task)
+        def guarded(cfg: DictConfig) -> Any:
+            nonlocal started
+            started = True
+            try:
+                return task(cfg)
+            except BAD_INPUT as e:
+                if os.environ.get("HYDRA_FULL_ERROR") == "1":
+                    raise
+                message = " ".join(str(e).split())  # one line, whatever the message held
+                print(f"error: {message}", file=sys.stderr)
+                sys.exit(USAGE_ERROR)
+
+        hydra_main = hydra.main(version_base=None, config_path=CONF_DIR,
+                                config_name=config_name)(guarded)
+
+        def main() -> None:
+            try:
+                hydra_main()
+            except SystemExit as e:
+                # Hydra reports a bad override (before the task starts) and exits 1
+                raise SystemExit(USAGE_ERROR if e.code == 1 and not started else e.code) from None
+        return main
+    return decorate
+
+
+def integer(cfg: DictConfig, key: str, minimum: int = 1, allow_none: bool = False) -> int | None:
+    """cfg's `key` (a dotted path), checked to be an integer >= minimum (or null, if allowed)."""
+    value = OmegaConf.select(cfg, key)
+    if value is None and allow_none:
+        return None
+    if type(value) is not int or value < minimum:
+        also = "null or " if allow_none else ""
+        raise BadSetting(f"{key}={value!r}: use {also}an integer >= {minimum}")
+    return value
+
+
+def number(cfg: DictConfig, key: str, minimum: float = 0.0) -> float:
+    """cfg's `key`, checked to be a finite number >= minimum."""
+    value = OmegaConf.select(cfg, key)
+    ok = type(value) in (int, float) and value == value and abs(value) != float("inf")
+    if not ok or value < minimum:
+        raise BadSetting(f"{key}={value!r}: use a finite number >= {minimum:g}")
+    return float(value)
+
+
+def boolean(cfg: DictConfig, key: str) -> bool:
+    value = OmegaConf.select(cfg, key)
+    if type(value) is not bool:
+        raise BadSetting(f"{key}={value!r}: use true or false")
+    return value
