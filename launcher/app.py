@@ -2,15 +2,16 @@
 
 A bad key (a value the app or the engine refuses, a model that does not load) ends the app with
 one line on stderr naming the key, the value and the fix, and exit code 2, as a command-line tool's
-usage errors do; Hydra's own override errors (an unknown key, say) exit 2 as well. The traceback
-comes only with HYDRA_FULL_ERROR=1. Anything else is a bug and keeps Hydra's report.
+usage errors do; Hydra's own report of a bad override (an unknown key, a value of the wrong type)
+is given the same way. The traceback comes only with HYDRA_FULL_ERROR=1. Anything else is a bug and keeps Hydra's report.
 """
 from __future__ import annotations
 
 import functools
+import io
 import os
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
@@ -31,32 +32,60 @@ BAD_INPUT = (BadSetting, ConfigError, InvalidRequestError, ModelLoadError)
 def hydra_app(config_name: str) -> Callable[[Callable[[DictConfig], Any]], Callable[[], None]]:
     """`@hydra_app("generate")` on `task(cfg)`: the console entry point, `main()`."""
     def decorate(task: Callable[[DictConfig], Any]) -> Callable[[], None]:
-        started = False
+        held = _HeldStderr()
 
         @functools.wraps(task)
         def guarded(cfg: DictConfig) -> Any:
-            nonlocal started
-            started = True
+            held.release()  # the config composed: from here on the app writes as it likes
             try:
                 return task(cfg)
             except BAD_INPUT as e:
                 if os.environ.get("HYDRA_FULL_ERROR") == "1":
                     raise
-                message = " ".join(str(e).split())  # one line, whatever the message held
-                print(f"error: {message}", file=sys.stderr)
-                sys.exit(USAGE_ERROR)
+                _usage_error(str(e))
 
         hydra_main = hydra.main(version_base=None, config_path=CONF_DIR,
                                 config_name=config_name)(guarded)
 
         def main() -> None:
+            held.hold()
             try:
                 hydra_main()
             except SystemExit as e:
-                # Hydra reports a bad override (before the task starts) and exits 1
-                raise SystemExit(USAGE_ERROR if e.code == 1 and not started else e.code) from None
+                said = held.release()
+                if e.code == 1 and said is not None:  # Hydra refused an override: its report
+                    _usage_error(said.split("\nSet the environment variable")[0])
+                raise
+            finally:
+                held.release()
         return main
     return decorate
+
+
+class _HeldStderr:
+    """stderr kept aside until the task starts, so that Hydra's report of a bad override can
+    be given as one line."""
+
+    def __init__(self) -> None:
+        self._real: Any = None
+        self._buffer: io.StringIO | None = None
+
+    def hold(self) -> None:
+        self._real, self._buffer = sys.stderr, io.StringIO()
+        sys.stderr = self._buffer
+
+    def release(self) -> str | None:
+        """Back to the real stderr; what was held (None if nothing was held)."""
+        if self._buffer is None:
+            return None
+        held, self._buffer = self._buffer.getvalue(), None
+        sys.stderr = self._real
+        return held
+
+
+def _usage_error(message: str) -> NoReturn:
+    print(f"error: {' '.join(message.split())}", file=sys.stderr)  # one line, whatever it held
+    sys.exit(USAGE_ERROR)
 
 
 def integer(cfg: DictConfig, key: str, minimum: int = 1, allow_none: bool = False) -> int | None:
