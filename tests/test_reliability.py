@@ -241,3 +241,8 @@ def test_a_dead_replica_is_rebuilt_alone_with_retry(ray_cluster, model, six_expe
         assert [g.token_ids for g in llm.generate(PROMPTS, GREEDY)] == expected
         assert len(llm.step_timings(1)) > 0, "the rebuilt replica took no request"
         print(f"replica 1 served again {back_after:.1f} s after its rank was killed")
+        # both die in one step: no request may be resumed on the replica failing beside its own
+        # (it once was, and failed there for good); they wait for the rebuilt replicas
+        for ranks in llm.rank_pids():
+            os.kill(ranks[0], signal.SIGKILL)
+        assert [g.token_ids for g in llm.generate(SIX, LONG)] == six_expected

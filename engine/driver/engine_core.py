@@ -187,13 +187,14 @@ class EngineCore:
 
     def _step(self) -> None:
         """One step on every replica with work; the replicas run concurrently, and one that
-        fails fails alone."""
-        launched = []
+        fails fails alone. Requests it resumes are routed once every replica's step is in, so
+        none goes to a replica whose failure this step has yet to show."""
+        launched, resumed = [], []
         for index, replica in enumerate(self.replicas):
             try:
                 step = replica.launch()
             except Exception as e:  # noqa: BLE001  sorted out by _replica_failed
-                self._replica_failed(index, e)
+                resumed += self._replica_failed(index, e)
                 continue
             if step is not None:
                 launched.append((index, replica, step))
@@ -201,23 +202,26 @@ class EngineCore:
             try:
                 finished = replica.finish(step)
             except Exception as e:  # noqa: BLE001
-                self._replica_failed(index, e)
+                resumed += self._replica_failed(index, e)
                 continue
             for seq in finished:
                 _resolve(seq)
+        for seq in resumed:
+            self._route(seq)
 
-    def _replica_failed(self, index: int, error: Exception) -> None:
+    def _replica_failed(self, index: int, error: Exception) -> list[Sequence]:
         """A step of one replica raised. A bug fails its requests and it keeps serving; a broken
         rank group takes that replica alone out of service: its requests fail, or with
         retry_on_rank_failure resume once elsewhere (or on its replacement), which is built
-        on a thread of its own while the other replicas keep stepping."""
+        on a thread of its own while the other replicas keep stepping. Returns the requests
+        to route again."""
         replica = self.replicas[index]
         seqs = replica.abort_all()
         if not isinstance(error, RankFailure):
             log.error("engine step failed on replica %d", index, exc_info=error)
             for seq in seqs:
                 _fail(seq, error)
-            return
+            return []
         replica.down = f"replica {index}: {error}"
         replica.executor.shutdown()
         if self._retry:
@@ -230,13 +234,15 @@ class EngineCore:
         others = any(r.down is None for r in self.replicas)
         advice = ("; the other replicas keep serving, restart() brings it back" if others
                   else "; call restart() or create a new LLM")
+        resumed = []
         for seq in seqs:
             if self._retry and not seq.retried:
                 seq.retried = True
                 seq.resume()
-                self._route(seq)
+                resumed.append(seq)
             else:
                 _fail(seq, RankFailure(f"{replica.down}{advice}"))
+        return resumed
 
     def _rebuild(self, index: int, old: Replica, epoch: int) -> None:
         """On its own thread: fresh ranks in place of replica `index`, then handed to the loop."""
