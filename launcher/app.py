@@ -108,6 +108,15 @@ def number(cfg: DictConfig, key: str, minimum: float = 0.0) -> float:
     return float(value)
 
 
+def text(cfg: DictConfig, key: str) -> str:
+    """cfg's `key`, checked to be non-empty text."""
+    value = OmegaConf.select(cfg, key)
+    if not isinstance(value, str) or not value:
+        raise BadSetting(f"{key}={value!r}: give non-empty text (quote it if Hydra reads it as "
+                         f"a number: {key}='\"...\"')")
+    return value
+
+
 def boolean(cfg: DictConfig, key: str) -> bool:
     value = OmegaConf.select(cfg, key)
     if type(value) is not bool:

@@ -8,7 +8,7 @@ from rich.console import Console
 from rich.table import Table
 
 from engine import SamplingParams
-from launcher.app import boolean, hydra_app
+from launcher.app import boolean, hydra_app, text
 from launcher.common import llm_from_config
 
 
@@ -25,6 +25,7 @@ def _prompt(cfg: DictConfig, llm, console: Console) -> str:
 
 def run(cfg: DictConfig, console: Console) -> dict:
     boolean(cfg, "chat")
+    text(cfg, "prompt")
     with llm_from_config(cfg) as llm:
         prompt = _prompt(cfg, llm, console)
         params = SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature,

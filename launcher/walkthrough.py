@@ -10,7 +10,7 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 
 from engine.observe.claims import check_claims
-from launcher.app import hydra_app, integer
+from launcher.app import hydra_app, integer, text
 from launcher.common import llm_from_config
 from launcher.document import document_prompt
 from launcher.html_report import write_html
@@ -53,6 +53,8 @@ def check(cfg: DictConfig) -> None:
     integer(cfg, "short_len", minimum=0, allow_none=True)
     if cfg.prompt is None:
         integer(cfg, "prompt_len")
+    elif isinstance(cfg.prompt, str):
+        text(cfg, "prompt")
 
 
 def run(cfg: DictConfig, console: Console) -> dict[str, Path]:

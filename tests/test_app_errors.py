@@ -22,6 +22,7 @@ CLI = [sys.executable, "-c", "from launcher.cli import main; main()"]
     ("disagg", "decode.tp=0", "error: decode.tp=0: use an integer >= 1"),
     ("bench", "prompt_len=0", "error: prompt_len=0: use an integer >= 1"),  # once: empty prompt
     ("score", "batch_size=-1", "error: batch_size=-1: use an integer >= 1"),  # once: exit 0
+    ("generate", "prompt=", "error: prompt='': give non-empty text"),  # once: "empty prompt"
     ("generate", "chat=maybe", "error: chat='maybe': use true or false"),
     ("generate", "max_tokens=0", "error: max_tokens=0: use a positive integer"),
     ("generate", "parallel.tp=0", "error: tp=0: use a positive integer"),
