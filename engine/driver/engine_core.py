@@ -4,6 +4,9 @@ Requests from any thread (or asyncio task) go into an inbox; the step loop admit
 step on every replica with work, and resolves each request's future when it ends. Only the loop
 touches the schedulers and the ranks, so concurrent callers share steps instead of taking turns,
 and `restart()`/`shutdown()` from any thread end every in-flight request within one step.
+
+A replica whose rank group breaks fails alone: its requests fail (or resume once elsewhere with
+retry_on_rank_failure, while it is rebuilt on a thread of its own) and the others keep stepping.
 """
 from __future__ import annotations
 
@@ -182,6 +185,13 @@ class EngineCore:
             return "; ".join(r.down for r in self.replicas)
         return None
 
+    def live_replicas(self) -> list[Replica]:
+        """On the loop thread: the replicas that take requests (every one but a broken one)."""
+        down = self._all_down()
+        if down is not None:
+            raise RankFailure(f"{down}; call restart() or create a new LLM")
+        return [r for r in self.replicas if r.down is None]
+
     def _has_work(self) -> bool:
         return any(r.scheduler.has_work() for r in self.replicas)
 
@@ -191,6 +201,8 @@ class EngineCore:
         none goes to a replica whose failure this step has yet to show."""
         launched, resumed = [], []
         for index, replica in enumerate(self.replicas):
+            if replica.down is not None:  # emptied when it broke; nothing may reach it since
+                continue
             try:
                 step = replica.launch()
             except Exception as e:  # noqa: BLE001  sorted out by _replica_failed
