@@ -53,7 +53,7 @@ class EngineCore:
             if self._stopping or self._thread is None:
                 raise InvalidRequestError(SHUT_DOWN)
             down = self._all_down()
-            if down is not None:
+            if down is not None and not self._restarting:  # else they wait for the rebuild
                 raise RankFailure(f"{down}; call restart() or create a new LLM")
             self._inbox.extend(seqs)
             self._wake.notify()
