@@ -47,6 +47,7 @@ def hydra_app(config_name: str) -> Callable[[Callable[[DictConfig], Any]], Calla
         hydra_main = hydra.main(version_base=None, config_path=CONF_DIR,
                                 config_name=config_name)(guarded)
 
+        @functools.wraps(task)  # main.__wrapped__(cfg) runs the task on a composed config
         def main() -> None:
             held.hold()
             try:
