@@ -26,10 +26,11 @@ def _prompt(cfg: DictConfig, llm, console: Console) -> str:
 def run(cfg: DictConfig, console: Console) -> dict:
     boolean(cfg, "chat")
     text(cfg, "prompt")
+    # the sampling keys are checked here, before the model loads
+    params = SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature,
+                            top_k=cfg.top_k, top_p=cfg.top_p, seed=cfg.seed)
     with llm_from_config(cfg) as llm:
         prompt = _prompt(cfg, llm, console)
-        params = SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature,
-                                top_k=cfg.top_k, top_p=cfg.top_p, seed=cfg.seed)
         # one tiny request first, so the figures are the steady state's, not first-call costs
         llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, ignore_eos=True))
         start = time.perf_counter()
