@@ -11,7 +11,8 @@ import torch
 
 from engine.errors import ConfigError
 
-# prefix_affinity: the replica holding the longest cached prefix of the prompt, ties to the least
+# prefix_affinity: the replica caching more of the prompt where that pays (beyond the prefix every
+# recent prompt shares, by a block, within a load slack; engine/driver/router.py), else the least
 # loaded; least_loaded: the replica with the fewest requests waiting or running
 ROUTINGS = ("prefix_affinity", "least_loaded")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -27,7 +28,8 @@ class EngineConfig:
     init_timeout_s: float = 120.0
     step_timeout_s: float = 30.0  # a dead or hung rank fails the step within this
     collective_timeout_s: float = 60.0  # torch.distributed's own bound on one collective
-    retry_on_rank_failure: bool = False  # restart the groups once and rerun the requests
+    # rebuild a replica whose rank died (the others serve meanwhile) and resume its requests once
+    retry_on_rank_failure: bool = False
     ray_address: str | None = None  # None: $RAY_ADDRESS, else a local cluster
     socket_ifname: str | None = None  # network interface for gloo/NCCL between nodes
     cpus_per_rank: float = 1.0  # Ray logical CPUs one rank actor asks for (fractions share cores)

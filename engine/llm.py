@@ -49,7 +49,7 @@ class LLM:
         connect_if_needed(cfg)
         self._core = EngineCore(
             lambda: [Replica(plan, cfg, ex) for ex in make_executors(plan, cfg, ckpt)],
-            cfg.retry_on_rank_failure, cfg.routing)
+            cfg.retry_on_rank_failure, cfg.routing, plan.block_size)
         self._finalizer = weakref.finalize(self, self._core.shutdown)
         # disaggregated prefill: what a KVHandle must match here, and the handles given out
         self._fingerprint = model_fingerprint(ckpt, plan.dtype, plan.block_size)

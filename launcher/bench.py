@@ -7,7 +7,6 @@ import sys
 import time
 from pathlib import Path
 
-import hydra
 from omegaconf import DictConfig, open_dict
 from rich.console import Console
 from rich.table import Table
@@ -18,8 +17,8 @@ from engine.loading.checkpoint import resolve_model
 from engine.observe.costs import forward_flops
 from engine.observe.hardware import hardware
 from engine.loading.synthetic import random_token_ids
-from launcher.common import CONF_DIR, llm_from_config
-
+from launcher.app import boolean, hydra_app, integer
+from launcher.common import llm_from_config
 
 
 
@@ -55,7 +54,15 @@ def _per_node(llm) -> dict:
     return nodes
 
 
+def check(cfg: DictConfig) -> None:
+    """The app's own keys, before any model loads."""
+    for key in ("prompt_len", "decode_tokens", "repeats"):
+        integer(cfg, key)
+    boolean(cfg, "baseline")
+
+
 def measure(cfg: DictConfig) -> dict:
+    check(cfg)
     with open_dict(cfg):
         cfg.engine.max_num_batched_tokens = max(cfg.engine.max_num_batched_tokens, cfg.prompt_len)
     with llm_from_config(cfg) as llm:
@@ -97,7 +104,7 @@ def _print(console: Console, r: dict) -> None:
         console.print(f"  node {ip}: {node['ranks']} rank(s), {node['resident_bytes'] / 2**20:.0f} MiB resident")
 
 
-@hydra.main(version_base=None, config_path=CONF_DIR, config_name="bench")
+@hydra_app("bench")
 def main(cfg: DictConfig) -> None:
     from launcher.plots import bench_plots
 

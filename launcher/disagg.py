@@ -12,14 +12,14 @@ import random
 import statistics
 import time
 
-import hydra
 from omegaconf import DictConfig
 from rich.console import Console
 from rich.table import Table
 
 from engine import LLM, SamplingParams
 from engine.loading.synthetic import random_token_ids
-from launcher.common import CONF_DIR, engine_settings
+from launcher.app import hydra_app, integer, number
+from launcher.common import engine_settings
 
 
 def _engine(cfg: DictConfig, group: DictConfig) -> LLM:
@@ -42,7 +42,17 @@ def route(prefiller: LLM, decoder: LLM, prompt: list[int], params: SamplingParam
             "tokens": len(gen.token_ids)}
 
 
+def check(cfg: DictConfig) -> None:
+    """The app's own keys, before any engine starts."""
+    for key in ("requests", "prompt_len", "max_tokens", "prefill.tp", "prefill.dp", "decode.tp",
+                "decode.dp"):
+        integer(cfg, key)
+    integer(cfg, "seed", minimum=0)
+    number(cfg, "arrival_rate")  # 0: every request at once
+
+
 def run(cfg: DictConfig, console: Console) -> dict:
+    check(cfg)
     rng = random.Random(cfg.seed)
     params = SamplingParams(max_tokens=cfg.max_tokens, ignore_eos=True)
     with _engine(cfg, cfg.prefill) as prefiller, _engine(cfg, cfg.decode) as decoder:
@@ -79,7 +89,7 @@ def _print(console: Console, cfg: DictConfig, r: dict) -> None:
                   f"over {r['wall_s']:.1f} s")
 
 
-@hydra.main(version_base=None, config_path=CONF_DIR, config_name="disagg")
+@hydra_app("disagg")
 def main(cfg: DictConfig) -> None:
     run(cfg, Console())
 

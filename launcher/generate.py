@@ -3,14 +3,13 @@ from __future__ import annotations
 
 import time
 
-import hydra
 from omegaconf import DictConfig
 from rich.console import Console
 from rich.table import Table
 
 from engine import SamplingParams
-from launcher.common import CONF_DIR, llm_from_config
-
+from launcher.app import boolean, hydra_app, text
+from launcher.common import llm_from_config
 
 
 def _prompt(cfg: DictConfig, llm, console: Console) -> str:
@@ -25,10 +24,13 @@ def _prompt(cfg: DictConfig, llm, console: Console) -> str:
 
 
 def run(cfg: DictConfig, console: Console) -> dict:
+    boolean(cfg, "chat")
+    text(cfg, "prompt")
+    # the sampling keys are checked here, before the model loads
+    params = SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature,
+                            top_k=cfg.top_k, top_p=cfg.top_p, seed=cfg.seed)
     with llm_from_config(cfg) as llm:
         prompt = _prompt(cfg, llm, console)
-        params = SamplingParams(max_tokens=cfg.max_tokens, temperature=cfg.temperature,
-                                top_k=cfg.top_k, top_p=cfg.top_p, seed=cfg.seed)
         # one tiny request first, so the figures are the steady state's, not first-call costs
         llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, ignore_eos=True))
         start = time.perf_counter()
@@ -61,7 +63,7 @@ def _print(console: Console, prompt: str, r: dict) -> None:
     console.print(r["text"], markup=False, highlight=False)
 
 
-@hydra.main(version_base=None, config_path=CONF_DIR, config_name="generate")
+@hydra_app("generate")
 def main(cfg: DictConfig) -> None:
     run(cfg, Console())
 

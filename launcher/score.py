@@ -16,21 +16,24 @@ import json
 import math
 from pathlib import Path
 
-import hydra
 from omegaconf import DictConfig
 from tqdm import tqdm
 
-from launcher.common import CONF_DIR, llm_from_config
+from launcher.app import BadSetting, boolean, hydra_app, integer
+from launcher.common import llm_from_config
 
 
-class ScoreInputError(ValueError):
+class ScoreInputError(BadSetting):
     """An input file or setting of the score app that cannot be used; names it and the fix."""
 
 
 def load_documents(path: str, fmt: str = "auto", field: str = "prompt",
                    text_split: str = "line") -> list[dict]:
-    """[{"prompt": text or token ids, ...other JSONL keys}] from a text or JSONL file."""
+    """[{"prompt": text or token ids, "_where": file:line, ...other JSONL keys}] from a text or
+    JSONL file; at least one."""
     p = Path(path)
+    if p.is_dir():
+        raise ScoreInputError(f"input={path!r} is a directory; give a text or JSONL file")
     if not p.is_file():
         raise ScoreInputError(f"input={path!r}: no such file; give a text or JSONL file")
     try:
@@ -43,12 +46,18 @@ def load_documents(path: str, fmt: str = "auto", field: str = "prompt",
     if fmt == "text":
         if text_split not in ("line", "file"):
             raise ScoreInputError(f"text_split={text_split!r}: use 'line' or 'file'")
-        docs = [text] if text_split == "file" else [ln for ln in text.splitlines() if ln.strip()]
-        return [{"prompt": d} for d in docs]
-    if fmt != "jsonl":
+        docs = ([{"prompt": text, "_where": path}] if text_split == "file" and text.strip() else
+                [{"prompt": ln, "_where": f"{path}:{n}"}
+                 for n, ln in enumerate(text.splitlines(), 1) if ln.strip()])
+    elif fmt == "jsonl":
+        docs = [_jsonl_doc(path, n, line, field)
+                for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+    else:
         raise ScoreInputError(f"format={fmt!r}: use 'auto', 'text' or 'jsonl'")
-    return [_jsonl_doc(path, n, line, field)
-            for n, line in enumerate(text.splitlines(), 1) if line.strip()]
+    if not docs:
+        raise ScoreInputError(f"input={path!r} holds no documents (it is empty or blank); give "
+                              f"a file with text to score")
+    return docs
 
 
 def _jsonl_doc(path: str, lineno: int, line: str, field: str) -> dict:
@@ -66,7 +75,14 @@ def _jsonl_doc(path: str, lineno: int, line: str, field: str) -> dict:
     if not isinstance(value, str) and not ids:
         raise ScoreInputError(f"{where}: {field!r} must be a string or a list of token ids, "
                               f"got {type(value).__name__}")
-    return {**obj, "prompt": value}
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:  # a JSON escape like \ud800 the tokenizer cannot take
+            raise ScoreInputError(f"{where}: {field!r} holds a lone surrogate {value[e.start]!r} "
+                                  f"at character {e.start}, which is not valid UTF-8; fix or "
+                                  f"remove it") from None
+    return {**obj, "prompt": value, "_where": where}
 
 
 def windows(num_tokens: int, window: int, stride: int) -> list[tuple[int, int, int]]:
@@ -88,6 +104,8 @@ def score_documents(llm, docs: list[list[int]], window: int, stride: int, batch_
                     progress: bool = False) -> list[dict]:
     """Per document: tokens, scored tokens, summed NLL, perplexity and the number of windows.
     Windows of several documents go to the engine together, `batch_size` per call."""
+    if type(batch_size) is not int or batch_size < 1:
+        raise ScoreInputError(f"batch_size={batch_size!r}: use an integer >= 1")
     jobs = [(d, w) for d, ids in enumerate(docs) if len(ids) >= 2
             for w in windows(len(ids), window, stride)]
     nll = [0.0] * len(docs)
@@ -115,7 +133,37 @@ def score_documents(llm, docs: list[list[int]], window: int, stride: int, batch_
     return results
 
 
+def check(cfg: DictConfig) -> None:
+    """The app's own keys, before the model loads (and before any scoring is lost)."""
+    integer(cfg, "batch_size")
+    integer(cfg, "window", minimum=2, allow_none=True)
+    integer(cfg, "stride", allow_none=True)
+    boolean(cfg, "progress")
+    out = Path(cfg.output)
+    if out.is_dir() or not out.parent.is_dir():
+        why = "is a directory" if out.is_dir() else f"is in a missing directory {str(out.parent)!r}"
+        raise ScoreInputError(f"output={cfg.output!r} {why}; name a file in an existing "
+                              f"directory")
+
+
+def _token_ids(llm, docs: list[dict]) -> list[list[int]]:
+    """Each document's token ids, the given ones checked against the model's vocabulary."""
+    vocab, out = llm.model_config.vocab_size, []
+    for doc in docs:
+        prompt = doc["prompt"]
+        if isinstance(prompt, str):
+            out.append(llm.tokenizer.encode(prompt))
+            continue
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise ScoreInputError(f"{doc['_where']}: token ids {bad[:5]} are outside the "
+                                  f"vocabulary [0, {vocab}) of {llm.config.model}")
+        out.append(prompt)
+    return out
+
+
 def run(cfg: DictConfig) -> list[dict]:
+    check(cfg)
     docs = load_documents(cfg.input, cfg.format, cfg.field, cfg.text_split)
     with llm_from_config(cfg) as llm:
         window = cfg.window or llm.max_model_len
@@ -126,17 +174,16 @@ def run(cfg: DictConfig) -> list[dict]:
         if any(isinstance(d["prompt"], str) for d in docs) and llm.tokenizer is None:
             raise ScoreInputError(f"{cfg.model.path} ships no tokenizer: give token-id lists "
                                   f"in a JSONL file")
-        ids = [d["prompt"] if isinstance(d["prompt"], list) else llm.tokenizer.encode(d["prompt"])
-               for d in docs]
-        results = score_documents(llm, ids, window, stride, cfg.batch_size, cfg.progress)
+        results = score_documents(llm, _token_ids(llm, docs), window, stride, cfg.batch_size,
+                                  cfg.progress)
     with open(cfg.output, "w", encoding="utf-8") as f:
         for doc, r in zip(docs, results):
-            extra = {k: v for k, v in doc.items() if k != "prompt"}  # e.g. the document's id
+            extra = {k: v for k, v in doc.items() if k not in ("prompt", "_where")}  # e.g. an id
             f.write(json.dumps({**extra, **r}) + "\n")
     return results
 
 
-@hydra.main(version_base=None, config_path=CONF_DIR, config_name="score")
+@hydra_app("score")
 def main(cfg: DictConfig) -> None:
     results = run(cfg)
     scored = [r for r in results if r["perplexity"] is not None]

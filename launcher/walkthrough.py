@@ -6,12 +6,12 @@ import json
 import sys
 from pathlib import Path
 
-import hydra
 from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 
 from engine.observe.claims import check_claims
-from launcher.common import CONF_DIR, llm_from_config
+from launcher.app import hydra_app, integer, text
+from launcher.common import llm_from_config
 from launcher.document import document_prompt
 from launcher.html_report import write_html
 from launcher.report import parts, render
@@ -46,7 +46,19 @@ def _shorter_run(cfg: DictConfig, llm, prompt) -> dict | None:
     return llm.walkthrough(ids[:n], hardware=cfg.hardware, decode_tokens=1, top_k=1).to_dict()
 
 
+def check(cfg: DictConfig) -> None:
+    """The app's own keys, before any model loads (the engine checks engine.* and parallel.*)."""
+    integer(cfg, "decode_tokens")
+    integer(cfg, "top_k")
+    integer(cfg, "short_len", minimum=0, allow_none=True)
+    if cfg.prompt is None:
+        integer(cfg, "prompt_len")
+    elif isinstance(cfg.prompt, str):
+        text(cfg, "prompt")
+
+
 def run(cfg: DictConfig, console: Console) -> dict[str, Path]:
+    check(cfg)
     with llm_from_config(cfg) as llm:
         prompt, source = _prompt(cfg, llm, console)
         report = llm.walkthrough(prompt, hardware=cfg.hardware, decode_tokens=cfg.decode_tokens, top_k=cfg.top_k)
@@ -81,7 +93,7 @@ def _summary(shorter: dict | None) -> dict | None:
             for phase in ("prefill", "decode")}
 
 
-@hydra.main(version_base=None, config_path=CONF_DIR, config_name="walkthrough")
+@hydra_app("walkthrough")
 def main(cfg: DictConfig) -> None:
     # the tables need ~150 columns; a pipe or a log file gets that width instead of rich's 80
     run(cfg, Console() if sys.stdout.isatty() else Console(width=150))

@@ -298,3 +298,69 @@ def test_prefill_score_command_line(tiny_model_dir, tmp_path):
     assert r.returncode == 0, r.explain()
     assert "1 documents, 39 tokens scored" in r.stdout, r.explain()
     assert json.loads(out.read_text())["windows"] == 4  # starts 0, 8, 16, 24
+
+
+def _score_cfg(tmp_path, src, *overrides, model="/no/such/model"):
+    from hydra import compose, initialize_config_dir
+
+    from launcher.common import CONF_DIR
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        return compose("score", [f"input={src}", f"output={tmp_path / 'scores.jsonl'}",
+                                 f"model.path={model}", "progress=false", *overrides])
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["batch_size=-1"], r"batch_size=-1: use an integer >= 1"),  # once: every document "skipped"
+    (["batch_size=0"], r"batch_size=0: use an integer >= 1"),  # once: ValueError from range()
+    (["window=0"], r"window=0: use null or an integer >= 2"),  # once: silently the default
+    (["stride=0"], r"stride=0: use null or an integer >= 1"),
+    (["output=/no/such/dir/scores.jsonl"], r"output=.*missing directory '/no/such/dir'"),
+])
+def test_score_app_bad_keys_are_refused_before_the_model_loads(tmp_path, overrides, needle):
+    """The model path does not exist: each key is refused before anything loads (a missing
+    output directory once failed only after every document was scored)."""
+    from launcher.app import BadSetting
+    from launcher.score import run
+
+    src = tmp_path / "docs.txt"
+    src.write_text("one document\n")
+    with pytest.raises(BadSetting, match=needle):
+        run(_score_cfg(tmp_path, src, *overrides))
+
+
+@pytest.mark.parametrize("content, needle", [
+    (b'{"prompt": "ok"}\n{"prompt": "bad \\ud800 here"}\n',
+     r"docs.jsonl:2: 'prompt' holds a lone surrogate '\\ud800'"),  # once a TypeError
+    (b"", "holds no documents"),  # once "perplexity nan", exit 0
+    (b"\n  \n", "holds no documents"),
+])
+def test_score_app_file_problems_name_the_file(tmp_path, content, needle):
+    from launcher.score import ScoreInputError, load_documents
+
+    path = tmp_path / "docs.jsonl"
+    path.write_bytes(content)
+    with pytest.raises(ScoreInputError, match=needle):
+        load_documents(str(path))
+    with pytest.raises(ScoreInputError, match="is a directory"):  # once "no such file"
+        load_documents(str(tmp_path))
+
+
+def test_score_app_names_the_line_of_out_of_vocabulary_ids(tiny_model_dir, tmp_path):
+    from launcher.score import ScoreInputError, run
+
+    src = tmp_path / "docs.jsonl"
+    src.write_text('{"prompt": [5, 6, 7]}\n{"prompt": [5, 999999, 7]}\n')
+    with pytest.raises(ScoreInputError, match=r"docs.jsonl:2: token ids \[999999\] are outside"):
+        run(_score_cfg(tmp_path, src, model=tiny_model_dir("uneven")))
+
+
+def test_score_documents_refuses_a_batch_size_below_one(tiny_model_dir):
+    from launcher.score import ScoreInputError, score_documents
+
+    with LLM(str(tiny_model_dir("uneven"))) as llm:
+        for bad in (-1, 0, True):
+            with pytest.raises(ScoreInputError, match="batch_size"):
+                score_documents(llm, [[5, 6, 7, 8]], 16, 8, batch_size=bad)
+        [r] = score_documents(llm, [[5, 6, 7, 8]], 16, 8, batch_size=1)
+        assert r["scored_tokens"] == 3

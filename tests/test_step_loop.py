@@ -194,3 +194,28 @@ def test_restart_from_the_step_loop_is_refused():
         assert core.call(lambda: 42) == 42  # still serving
     finally:
         core.shutdown()
+
+
+def test_breaking_out_of_a_stream_under_aclosing_frees_its_request(llama, expected):
+    """README's pattern: `async with contextlib.aclosing(llm.stream(...))` drops the request
+    at the `break`, while the event loop still runs (not when the generator is collected)."""
+    from contextlib import aclosing
+
+    endless = SamplingParams(max_tokens=10_000, ignore_eos=True)  # stops at max_model_len
+
+    async def main(llm: LLM) -> tuple[list[int], int]:
+        got = []
+        async with aclosing(llm.stream(PROMPTS[2], endless)) as tokens:
+            async for token in tokens:
+                got.append(token)
+                if len(got) == 3:
+                    break
+        for _ in range(200):  # the cancel reaches the step loop within a step or two
+            if llm.cache_stats()["blocks_used"] == 0:
+                break
+            await asyncio.sleep(0.01)
+        return got, llm.cache_stats()["blocks_used"]
+
+    with LLM(llama, max_model_len=256) as llm:
+        got, used = asyncio.run(main(llm))
+    assert got == expected[2][:3] and used == 0

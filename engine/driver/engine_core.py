@@ -4,6 +4,9 @@ Requests from any thread (or asyncio task) go into an inbox; the step loop admit
 step on every replica with work, and resolves each request's future when it ends. Only the loop
 touches the schedulers and the ranks, so concurrent callers share steps instead of taking turns,
 and `restart()`/`shutdown()` from any thread end every in-flight request within one step.
+
+A replica whose rank group breaks fails alone: its requests fail (or resume once elsewhere with
+retry_on_rank_failure, while it is rebuilt on a thread of its own) and the others keep stepping.
 """
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ from concurrent.futures import Future
 from typing import Callable, TypeVar
 
 from engine.driver.replica import Replica
+from engine.driver.router import Router
 from engine.driver.sequence import FinishReason, Sequence
 from engine.errors import EngineError, InvalidRequestError, NumericalError, RankFailure
 
@@ -24,17 +28,19 @@ SHUT_DOWN = "this LLM was shut down; call restart() or create a new one"
 
 class EngineCore:
     def __init__(self, start_replicas: Callable[[], list[Replica]], retry_on_rank_failure: bool,
-                 routing: str):
+                 routing: str, block_size: int = 16):
         self._start_replicas = start_replicas
         self._retry = retry_on_rank_failure
-        self._prefix_affinity = routing == "prefix_affinity"  # else least loaded only
+        self._router = Router(routing == "prefix_affinity", block_size)
         self._wake = threading.Condition()
         self._control = threading.RLock()  # one restart or shutdown at a time
         self._inbox: deque[Sequence] = deque()
         self._calls: deque[tuple[Callable, Future]] = deque()
         self._cancelled: deque[Sequence] = deque()
-        self._retried: set[int] = set()
-        self._failure: str | None = None
+        self._parked: list[Sequence] = []  # retried requests waiting for a replica to come back
+        self._restarting: set[int] = set()  # replicas being rebuilt on a thread of their own
+        self._rebuilders: list[threading.Thread] = []
+        self._epoch = 0  # a rebuilt replica joins only the loop that asked for it
         self._stopping = False
         self._thread: threading.Thread | None = None
         self.replicas: list[Replica] = []
@@ -46,8 +52,9 @@ class EngineCore:
         with self._wake:
             if self._stopping or self._thread is None:
                 raise InvalidRequestError(SHUT_DOWN)
-            if self._failure is not None:
-                raise RankFailure(f"{self._failure}; call restart() or create a new LLM")
+            down = self._all_down()
+            if down is not None and not self._restarting:  # else they wait for the rebuild
+                raise RankFailure(f"{down}; call restart() or create a new LLM")
             self._inbox.extend(seqs)
             self._wake.notify()
 
@@ -86,7 +93,8 @@ class EngineCore:
     def _start_loop(self) -> None:
         """Start the loop thread, which builds the replicas before its first turn; returns once
         they are up (or raises what building them raised)."""
-        self._failure, self._stopping = None, False
+        self._stopping, self._parked, self._restarting = False, [], set()
+        self._epoch += 1
         built: Future = Future()
         self._thread = threading.Thread(target=self._run, args=(built,), name="engine-step-loop",
                                         daemon=True)
@@ -105,8 +113,10 @@ class EngineCore:
         thread, self._thread = self._thread, None
         if thread is not None and thread is not threading.current_thread():
             thread.join()  # bounded: the loop stops after the step in flight (step_timeout_s)
-        pending = list(self._inbox) + [s for r in self.replicas for s in r.abort_all()]
+        pending = (list(self._inbox) + self._parked
+                   + [s for r in self.replicas for s in r.abort_all()])
         self._inbox.clear()
+        self._parked = []
         for fn, done in self._calls:
             done.set_exception(error)
         self._calls.clear()
@@ -115,6 +125,11 @@ class EngineCore:
         for r in self.replicas:
             r.executor.shutdown()
         self.replicas = []
+        # a replica being rebuilt finds the loop gone and shuts its new ranks down; wait for
+        # that, or the next start could find the cluster's CPUs still held by them
+        for rebuilder in self._rebuilders:
+            rebuilder.join()
+        self._rebuilders = []
 
     def _run(self, built: Future) -> None:
         # The ranks are built on the thread that steps them. An in-process CPU rank's OpenMP
@@ -153,57 +168,120 @@ class EngineCore:
         return True
 
     def _route(self, seq: Sequence) -> None:
-        """Prefix affinity: the replica already holding the longest cached prefix of the prompt
-        (its K/V need not be computed again); ties, and no hit anywhere, go to the least loaded
-        (the lowest index among equals). Least loaded: that alone."""
-        def cost(i: int) -> tuple[int, int]:
-            r = self.replicas[i]
-            if not self._prefix_affinity:
-                return 0, r.load
-            return -r.block_manager.cached_prefix_tokens(seq.token_ids), r.load
+        """Hand the request to the replica the router picks; with none alive, it waits for one
+        being rebuilt, or fails."""
+        index = self._router.pick(seq.token_ids, self.replicas)
+        if index is not None:
+            seq.replica = index
+            self.replicas[index].scheduler.add(seq)
+        elif self._restarting:
+            self._parked.append(seq)
+        else:
+            _fail(seq, RankFailure(f"{self._all_down()}; call restart() or create a new LLM"))
 
-        index = min(range(len(self.replicas)), key=cost) if len(self.replicas) > 1 else 0
-        seq.replica = index
-        self.replicas[index].scheduler.add(seq)
+    def _all_down(self) -> str | None:
+        """Why no replica can serve, or None while one can."""
+        if self.replicas and all(r.down for r in self.replicas):
+            return "; ".join(r.down for r in self.replicas)
+        return None
+
+    def live_replicas(self) -> list[Replica]:
+        """On the loop thread: the replicas that take requests (every one but a broken one)."""
+        down = self._all_down()
+        if down is not None:
+            raise RankFailure(f"{down}; call restart() or create a new LLM")
+        return [r for r in self.replicas if r.down is None]
 
     def _has_work(self) -> bool:
         return any(r.scheduler.has_work() for r in self.replicas)
 
     def _step(self) -> None:
-        """One step on every replica with work; the replicas run concurrently."""
-        try:
-            launched = [(r, r.launch()) for r in self.replicas]
-            for replica, step in launched:
-                if step is not None:
-                    for seq in replica.finish(step):
-                        _resolve(seq)
-        except RankFailure as e:
-            self._on_rank_failure(e)
-        except Exception as e:  # noqa: BLE001  a bug: fail what is in flight, keep serving
-            log.exception("engine step failed")
-            for seq in [s for r in self.replicas for s in r.abort_all()]:
-                _fail(seq, e)
-
-    def _on_rank_failure(self, error: RankFailure) -> None:
-        """Every request in flight shares the broken group. With retry_on_rank_failure, the
-        groups restart once and those requests run again from their prompts."""
-        seqs = [s for r in self.replicas for s in r.abort_all()]
-        if self._retry and not any(s.seq_id in self._retried for s in seqs):
-            log.warning("restarting the rank groups after: %s", error)
+        """One step on every replica with work; the replicas run concurrently, and one that
+        fails fails alone. Requests it resumes are routed once every replica's step is in, so
+        none goes to a replica whose failure this step has yet to show."""
+        launched, resumed = [], []
+        for index, replica in enumerate(self.replicas):
+            if replica.down is not None:  # emptied when it broke; nothing may reach it since
+                continue
             try:
-                for r in self.replicas:
-                    r.executor.shutdown()
-                self.replicas = self._start_replicas()
-                for seq in seqs:
-                    seq.reset()
-                    self._retried.add(seq.seq_id)
-                    self._route(seq)
-                return
-            except EngineError as again:
-                error = RankFailure(f"{error}; the restart failed too: {again}")
-        self._failure = str(error)
+                step = replica.launch()
+            except Exception as e:  # noqa: BLE001  sorted out by _replica_failed
+                resumed += self._replica_failed(index, e)
+                continue
+            if step is not None:
+                launched.append((index, replica, step))
+        for index, replica, step in launched:
+            try:
+                finished = replica.finish(step)
+            except Exception as e:  # noqa: BLE001
+                resumed += self._replica_failed(index, e)
+                continue
+            for seq in finished:
+                _resolve(seq)
+        for seq in resumed:
+            self._route(seq)
+
+    def _replica_failed(self, index: int, error: Exception) -> list[Sequence]:
+        """A step of one replica raised. A bug fails its requests and it keeps serving; a broken
+        rank group takes that replica alone out of service: its requests fail, or with
+        retry_on_rank_failure resume once elsewhere (or on its replacement), which is built
+        on a thread of its own while the other replicas keep stepping. Returns the requests
+        to route again."""
+        replica = self.replicas[index]
+        seqs = replica.abort_all()
+        if not isinstance(error, RankFailure):
+            log.error("engine step failed on replica %d", index, exc_info=error)
+            for seq in seqs:
+                _fail(seq, error)
+            return []
+        replica.down = f"replica {index}: {error}"
+        replica.executor.shutdown()
+        if self._retry:
+            log.warning("rebuilding %s", replica.down)
+            self._restarting.add(index)
+            rebuilder = threading.Thread(target=self._rebuild, args=(index, replica, self._epoch),
+                                         name=f"engine-rebuild-replica-{index}", daemon=True)
+            self._rebuilders = [t for t in self._rebuilders if t.is_alive()] + [rebuilder]
+            rebuilder.start()
+        others = any(r.down is None for r in self.replicas)
+        advice = ("; the other replicas keep serving, restart() brings it back" if others
+                  else "; call restart() or create a new LLM")
+        resumed = []
         for seq in seqs:
-            _fail(seq, RankFailure(f"{error}; call restart() or create a new LLM"))
+            if self._retry and not seq.retried:
+                seq.retried = True
+                seq.resume()
+                resumed.append(seq)
+            else:
+                _fail(seq, RankFailure(f"{replica.down}{advice}"))
+        return resumed
+
+    def _rebuild(self, index: int, old: Replica, epoch: int) -> None:
+        """On its own thread: fresh ranks in place of replica `index`, then handed to the loop."""
+        try:
+            new = old.restarted()
+        except Exception as e:  # noqa: BLE001  the replica stays down, and says why
+            new, why = None, f"{old.down}; rebuilding it failed too: {e}"
+
+        def install() -> None:
+            if epoch != self._epoch:  # restart() or shutdown() came first: the loop is another
+                if new is not None:
+                    new.executor.shutdown()
+                return
+            self._restarting.discard(index)
+            if new is None:
+                old.down = why
+            else:
+                self.replicas[index] = new
+                log.warning("replica %d serves again", index)
+            parked, self._parked = self._parked, []
+            for seq in parked:
+                self._route(seq)
+        try:
+            self.call(install)
+        except EngineError:  # the engine stopped meanwhile
+            if new is not None:
+                new.executor.shutdown()
 
     def _abort(self, seq: Sequence) -> None:
         for r in self.replicas:

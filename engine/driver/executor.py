@@ -38,6 +38,10 @@ class Executor(ABC):
     @abstractmethod
     def shutdown(self) -> None: ...
 
+    @abstractmethod
+    def replacement(self) -> "Executor":
+        """A fresh executor of the same ranks on the same nodes (this one's group broke)."""
+
     def _call(self, method: Callable, *args: Any) -> list:
         return self._collect(self._launch(method, *args))
 
@@ -77,6 +81,7 @@ class Executor(ABC):
 
 class InProcessExecutor(Executor):
     def __init__(self, plan: EnginePlan, checkpoint: Checkpoint):
+        self._plan, self._checkpoint = plan, checkpoint
         self.worker: Worker | None = Worker(plan, checkpoint=checkpoint, device=plan.device)
 
     def _launch(self, method: Callable, *args: Any) -> Finished:
@@ -93,6 +98,9 @@ class InProcessExecutor(Executor):
     def shutdown(self) -> None:
         self.worker = None
 
+    def replacement(self) -> "InProcessExecutor":
+        return InProcessExecutor(self._plan, self._checkpoint)
+
 
 class RayExecutor(Executor):
     """`cp x tp` rank actors, each TP group packed on one node (`nodes[c]` for context rank c),
@@ -101,6 +109,7 @@ class RayExecutor(Executor):
     def __init__(self, plan: EnginePlan, cfg: EngineConfig, nodes: list[str] | None):
         from parallel.rank_group import GroupOptions, RankGroup
 
+        self._plan, self._cfg, self._nodes = plan, cfg, nodes
         ifname = cfg.socket_ifname
         options = GroupOptions(world_size=cfg.tp * cfg.cp, device=cfg.device,
                                init_timeout_s=cfg.init_timeout_s, step_timeout_s=cfg.step_timeout_s,
@@ -125,6 +134,9 @@ class RayExecutor(Executor):
 
     def shutdown(self) -> None:
         self.group.shutdown()
+
+    def replacement(self) -> "RayExecutor":
+        return RayExecutor(self._plan, self._cfg, self._nodes)
 
 
 def uses_ray(cfg: EngineConfig) -> bool:

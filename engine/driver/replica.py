@@ -60,7 +60,9 @@ class InFlightStep:
 
 class Replica:
     def __init__(self, plan: EnginePlan, cfg: EngineConfig, executor: Executor):
+        self._plan, self._cfg = plan, cfg
         self.executor = executor
+        self.down: str | None = None  # why its group broke; it takes no requests until replaced
         self.rank_info = executor.info()
         self.block_manager = BlockManager(plan.num_blocks, plan.block_size,
                                           cfg.enable_prefix_caching, cp=plan.cp)
@@ -69,6 +71,10 @@ class Replica:
         self.scheduler = scheduler(self.block_manager, cfg.max_num_batched_tokens,
                                    cfg.max_num_seqs, plan.max_model_len, plan.model.eos_token_ids)
         self.steps: list[StepTiming] = []
+
+    def restarted(self) -> "Replica":
+        """A new replica on fresh ranks in this one's place (same nodes), its cache empty."""
+        return Replica(self._plan, self._cfg, self.executor.replacement())
 
     @property
     def load(self) -> int:

@@ -52,6 +52,7 @@ class Sequence:
     kv_block_table: list[int] = field(default_factory=list)  # where its K/V stayed when it finished
     pin_kv: bool = False  # export_kv: on finishing, keep the blocks referenced for a KVHandle
     replica: int = 0  # index of the replica serving it
+    retried: bool = False  # resumed once after its replica's group broke (never twice)
     # resolved by the step loop when the request ends; on_token sees each new token as it comes
     future: Future = field(default_factory=Future)
     on_token: Callable[[int], None] | None = None
@@ -60,13 +61,13 @@ class Sequence:
     def __post_init__(self):
         self.token_ids = list(self.prompt_token_ids)
 
-    def reset(self) -> None:
-        """Back to a fresh request, to be run again from its prompt."""
-        self.token_ids = list(self.prompt_token_ids)
+    def resume(self) -> None:
+        """Waiting again with no K/V anywhere (its group died): it recomputes the prompt and the
+        tokens it already produced, then goes on from there, so a caller that saw those tokens
+        (a stream) never sees them twice and greedy decoding gives `generate`'s tokens."""
         self.num_computed_tokens = self.num_cached_tokens = self.num_hashed_blocks = 0
         self.block_table, self.parent_hash = [], None
-        self.status, self.finish_reason, self.first_token_time = Status.WAITING, None, None
-        self.error = None
+        self.status, self.finish_reason, self.error = Status.WAITING, None, None
 
     @property
     def num_prompt_tokens(self) -> int:

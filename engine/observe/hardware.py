@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.errors import ConfigError
+
 from parallel.gemm import linear
 
 # dense bf16 tensor-core FLOP/s and HBM bandwidth from the vendors' spec sheets
@@ -81,4 +83,4 @@ def hardware(name: str, device: str, dtype: torch.dtype) -> Hardware:
         return Hardware(name, *SPECS[name])
     if name in (f"{device.split(':')[0]}-measured", "measured"):
         return measure(device, dtype)
-    raise ValueError(f"hardware={name!r}: use one of {sorted(SPECS)} or 'cpu-measured'/'cuda-measured'")
+    raise ConfigError(f"hardware={name!r}: use one of {sorted(SPECS)} or 'cpu-measured'/'cuda-measured'")

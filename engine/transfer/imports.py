@@ -39,7 +39,7 @@ def adopt(core: EngineCore, plan: EnginePlan, fp: ModelFingerprint, handles: lis
         for h in handles:
             _claim(h)
             claimed.append(h)
-        seqs = core.call(lambda: _adopt_all(core.replicas, handles, params, timeout_s))
+        seqs = core.call(lambda: _adopt_all(core.live_replicas(), handles, params, timeout_s))
     except BaseException:
         _settle(claimed, used=False)
         raise
