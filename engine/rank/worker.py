@@ -13,6 +13,7 @@ from torch import nn
 from engine.batch import Batch, SamplingSpec, StepResult
 from engine.errors import ModelLoadError
 from engine.loading.checkpoint import Checkpoint, open_checkpoint
+from engine.loading.weight_digest import Slices, WeightDigest
 from engine.observe.tracer import OpTracer
 from engine.plan import EnginePlan, RankInfo
 from engine.rank.attention import StepContext
@@ -94,8 +95,10 @@ class Worker:
                            [SamplingSpec()] * num_seqs))
 
     def _load(self, ckpt: Checkpoint) -> None:
-        """Every tensor the model needs, each exactly as expected, and no tensor left over."""
+        """Every tensor the model needs, each exactly as expected, and no tensor left over;
+        each slice is digested as it comes in (`weight_digest`)."""
         used: set[str] = set()
+        self._digest = WeightDigest()
 
         def read(name, dim, start, stop):
             used.add(name)
@@ -103,6 +106,7 @@ class Worker:
             if not torch.isfinite(tensor).all():
                 raise ModelLoadError(f"{ckpt.source}: tensor {name} holds NaN or Inf values; "
                                      f"the checkpoint is corrupt")
+            self._digest.add(name, dim, start, tensor)
             return tensor
 
         try:
@@ -122,6 +126,10 @@ class Worker:
                         self.plan.kv_bytes_per_token(heads.num_kv_heads), self.cache.num_blocks,
                         self.cache.nbytes, os.getpid(),
                         self.compiled is not None and self.compiled.usable, self.warmup_s)
+
+    def weight_digest(self) -> Slices:
+        """The digests of every weight slice this rank loaded (the driver combines them)."""
+        return self._digest.slices
 
     def execute(self, batch: Batch) -> StepResult | None:
         graph_rows = self._decode_graph_rows(batch)

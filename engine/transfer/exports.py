@@ -87,7 +87,7 @@ class ExportTable:
         replicas = self._core.replicas
         r = replicas[replica] if isinstance(replica, int) else replica
         if any(r is mine for mine in replicas):  # else restarted: those blocks are gone anyway
-            r.block_manager.free_blocks(table)
+            r.block_manager.unpin(table)
 
     def release(self, handle: KVHandle) -> None:
         if not isinstance(handle, KVHandle) or handle.handle_id not in self._records:
@@ -121,6 +121,14 @@ class ExportTable:
     @property
     def pinned_handles(self) -> int:
         return len(self._records)
+
+    def describe_pinned(self) -> str:
+        """Which handles hold blocks here and how to free them, for an error message."""
+        ids = [h[:8] for h in self._records]  # as KVHandle's repr shows them
+        named = ", ".join(ids[:5]) + (f" and {len(ids) - 5} more" if len(ids) > 5 else "")
+        return (f"{len(ids)} exported handle(s) pin blocks here ({named or 'none'}): decode them "
+                f"on another engine, release them with LLM.release(kv), or let their "
+                f"kv_handle_ttl_s={self._ttl_s} s pass; or raise kv_cache_gb")
 
     def close(self) -> None:
         """The engine is going away or restarting: its handles can no longer be claimed (their
