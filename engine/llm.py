@@ -26,7 +26,7 @@ from engine.loading.checkpoint import open_checkpoint
 from engine.loading import weight_digest
 from engine.loading.tokenizer import load_tokenizer
 from engine.plan import RankInfo, make_plan
-from engine.transfer.exports import ExportTable
+from engine.transfer.exports import ExportTable, is_pinned
 from engine.transfer.handle import KVHandle, model_fingerprint
 from engine.transfer.imports import adopt
 
@@ -84,8 +84,9 @@ class LLM:
         try:
             self._run(seqs)
         except KVPinnedError as e:
+            own = sum(is_pinned(s) for s in seqs)
             self._exports.unpin(seqs)
-            raise KVPinnedError(f"{e}. {self._exports.describe_pinned()}") from None
+            raise KVPinnedError(f"{e}. {self._exports.describe_pinned(own)}") from None
         except BaseException:
             self._exports.unpin(seqs)
             raise

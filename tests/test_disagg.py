@@ -300,11 +300,16 @@ def test_exports_never_starve_the_source(engines, hf, uneven_path):
     with LLM(uneven_path, max_model_len=32, **{**SMALL, "kv_cache_gb": _cache_of(engines[1], 12)}) as llm:
         [kept] = llm.prefill([a], export_kv=True)
         with pytest.raises(KVPinnedError, match=rf"\({kept.kv.handle_id[:8]}\).*LLM.release\(kv\)"):
-            llm.prefill([b, c], export_kv=True)
+            llm.prefill([b], export_kv=True)
         assert llm.cache_stats()["blocks_pinned"] == 4
         full = (LONG * 2)[:32]
         assert llm.generate([full[:31]], GREEDY)[0].token_ids == hf_greedy(hf, full[:31], 1)
+        with pytest.raises(InvalidRequestError, match="takes a KVHandle"):
+            llm.release(kept)  # its repr (with the logits) once made the message
         llm.release(kept.kv)
+        with pytest.raises(KVPinnedError, match=r"1 earlier prompt\(s\) of this call"):
+            llm.prefill([b, c], export_kv=True)  # b takes the 4 blocks c needed
+        assert _blocks_used(llm) == 0
         [again] = llm.prefill([b], export_kv=True)  # the released blocks serve the next export
         assert engines[2].decode([again.kv], GREEDY)[0].token_ids == hf_greedy(hf, b, 6)
         assert _blocks_used(llm) == 0

@@ -176,7 +176,7 @@ class Scheduler:
         if self.blocks.can_pin(seq.block_table, keep):
             return True
         seq.error = (f"exporting this request's K/V would pin its {len(seq.block_table)} blocks "
-                     f"while exported handles already pin {len(self.blocks.pins)} of the cache's "
+                     f"while exports already pin {len(self.blocks.pins)} of the cache's "
                      f"{self.blocks.num_blocks}; {keep} must stay free for one "
                      f"max_model_len={self.max_model_len} request")
         return False

@@ -90,7 +90,10 @@ class ExportTable:
             r.block_manager.unpin(table)
 
     def release(self, handle: KVHandle) -> None:
-        if not isinstance(handle, KVHandle) or handle.handle_id not in self._records:
+        if not isinstance(handle, KVHandle):  # a PrefillOutput's repr would print its logits
+            raise InvalidRequestError(f"release() takes a KVHandle (PrefillOutput.kv of a "
+                                      f"prefill with export_kv=True), got {type(handle).__name__}")
+        if handle.handle_id not in self._records:
             raise InvalidRequestError(f"{handle!r} was not exported by this engine, or its blocks "
                                       f"were already reclaimed (used, released or expired)")
         import ray
@@ -122,13 +125,22 @@ class ExportTable:
     def pinned_handles(self) -> int:
         return len(self._records)
 
-    def describe_pinned(self) -> str:
-        """Which handles hold blocks here and how to free them, for an error message."""
+    def describe_pinned(self, own: int) -> str:
+        """Who pins blocks here and how to free them, for a refused export's message; `own`:
+        the refused call's prompts pinned before it."""
         ids = [h[:8] for h in self._records]  # as KVHandle's repr shows them
-        named = ", ".join(ids[:5]) + (f" and {len(ids) - 5} more" if len(ids) > 5 else "")
-        return (f"{len(ids)} exported handle(s) pin blocks here ({named or 'none'}): decode them "
-                f"on another engine, release them with LLM.release(kv), or let their "
-                f"kv_handle_ttl_s={self._ttl_s} s pass; or raise kv_cache_gb")
+        why = []
+        if ids:
+            named = ", ".join(ids[:5]) + (f" and {len(ids) - 5} more" if len(ids) > 5 else "")
+            why.append(f"{len(ids)} exported handle(s) pin blocks here ({named}): decode them on "
+                       f"another engine, release them with LLM.release(kv), or let their "
+                       f"kv_handle_ttl_s={self._ttl_s:g} s pass")
+        if own:
+            why.append(f"{own} earlier prompt(s) of this call took pins: export fewer at once")
+        if not why:
+            return ("Nothing else pins blocks here: a cache of one max_model_len request can keep "
+                    "no K/V pinned; raise kv_cache_gb or lower max_model_len")
+        return "; ".join(why) + "; or raise kv_cache_gb"
 
     def close(self) -> None:
         """The engine is going away or restarting: its handles can no longer be claimed (their
