@@ -96,7 +96,9 @@ def check_handle(handle: object, mine: ModelFingerprint) -> KVHandle:
                                   f"same block_size on both")
     diff = [f.name for f in fields(ModelFingerprint) if getattr(theirs, f.name) != getattr(mine, f.name)]
     if diff:
-        what = ", ".join(f"{d}: {getattr(theirs, d)!r} vs {getattr(mine, d)!r}" for d in diff)
+        what = ("same shapes, other weights: a fine-tune or another checkpoint"
+                if diff == ["weights"] else
+                ", ".join(f"{d}: {getattr(theirs, d)!r} vs {getattr(mine, d)!r}" for d in diff))
         raise InvalidRequestError(f"{handle!r} comes from another model ({what}); decode it on an "
                                   f"engine of the same checkpoint")
     _check_layout(handle, mine)
