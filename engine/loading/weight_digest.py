@@ -10,6 +10,7 @@ norm, lands on the same places with the same digests) and digests the whole layo
 from __future__ import annotations
 
 import hashlib
+import time
 
 import torch
 
@@ -24,15 +25,18 @@ class WeightDigest:
 
     def __init__(self) -> None:
         self.slices: Slices = {}
+        self.seconds = 0.0  # spent digesting, for RankInfo
 
     def add(self, name: str, dim: int | None, start: int, tensor: torch.Tensor) -> None:
         if tensor.numel() == 0:  # a rank holding none of this tensor
             return
+        started = time.perf_counter()
         units = (tensor.reshape(1, -1) if dim is None
                  else tensor.movedim(dim, 0).reshape(tensor.shape[dim], -1))
         rows = units.contiguous().view(torch.uint8).numpy()  # the stored bytes, bf16 included
         digests = b"".join(hashlib.sha256(row).digest()[:_UNIT_BYTES] for row in rows)
         self.slices.setdefault(name, []).append((dim, 0 if dim is None else start, digests))
+        self.seconds += time.perf_counter() - started
 
 
 def combine(per_rank: list[Slices]) -> str:

@@ -63,7 +63,9 @@ class Worker:
         for p in self.model.parameters():
             p.data = torch.empty_like(p.data, device=self.device, dtype=plan.dtype)
         self.model.to(self.device)
+        started = time.perf_counter()
         self._load(checkpoint or open_checkpoint(plan.source))
+        self.load_s = time.perf_counter() - started
         self.decode_weights = (DecodeWeights(self.model, plan.decode_dtype, packed=not plan.compile)
                                if plan.decode_dtype is not None else None)
         self.cache = KVCache(plan.model.num_layers, plan.num_blocks, plan.block_size,
@@ -125,7 +127,8 @@ class Worker:
                         + (self.decode_weights.nbytes if self.decode_weights else 0),
                         self.plan.kv_bytes_per_token(heads.num_kv_heads), self.cache.num_blocks,
                         self.cache.nbytes, os.getpid(),
-                        self.compiled is not None and self.compiled.usable, self.warmup_s)
+                        self.compiled is not None and self.compiled.usable, self.warmup_s,
+                        self.load_s, self._digest.seconds)
 
     def weight_digest(self) -> Slices:
         """The digests of every weight slice this rank loaded (the driver combines them)."""
