@@ -9,6 +9,7 @@ Pinned blocks are reclaimed lazily, whenever this engine next takes a request, a
 """
 from __future__ import annotations
 
+import threading
 import uuid
 from dataclasses import dataclass
 
@@ -37,6 +38,7 @@ class ExportTable:
         self._core, self._ttl_s, self._address = core, ttl_s, ray_address
         self._records: dict[str, _Export] = {}
         self._leases = None  # started with the first export
+        self._starting = threading.Lock()  # two first exports at once must start one table
 
     def export(self, seqs: list[Sequence], fingerprint: ModelFingerprint) -> list[KVHandle]:
         """Handles for finished, pinned sequences (their blocks are unpinned if this fails)."""
@@ -45,8 +47,9 @@ class ExportTable:
 
         try:
             cluster.connect(self._address)  # an in-process rank publishes into the object store too
-            if self._leases is None:
-                self._leases = start_lease_table()
+            with self._starting:
+                if self._leases is None:
+                    self._leases = start_lease_table()
             return self._core.call(lambda: [self._publish(s, fingerprint) for s in seqs])
         except BaseException:
             self.unpin(seqs)  # handles made before the failure expire with their TTL
