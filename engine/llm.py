@@ -73,8 +73,9 @@ class LLM:
         another engine's `decode()`; its blocks stay pinned here until it is decoded, released
         (`release(kv)`) or `kv_handle_ttl_s` passes."""
         if not isinstance(export_kv, bool):  # "no" or 0.0 must not pin blocks by being truthy
-            raise InvalidRequestError(f"export_kv={export_kv!r} is a {type(export_kv).__name__}: "
-                                      f"use True or False")
+            kind = type(export_kv)  # numpy's bool calls itself "bool": name its module too
+            name = f"{kind.__module__}.{kind.__name__}".removeprefix("builtins.")
+            raise InvalidRequestError(f"export_kv={export_kv!r} is a {name}: use True or False")
         if export_kv:
             self._refuse_with_cp("prefill(export_kv=True)")
         first = dataclasses.replace(check_params(params), max_tokens=1)

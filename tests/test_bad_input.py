@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -117,11 +118,11 @@ def test_bad_engine_settings(tiny_model_dir, settings, match):
         LLM(str(tiny_model_dir("qwen2")), **settings)
 
 
-@pytest.mark.parametrize("flag", ["no", 1, 0.0, None])
+@pytest.mark.parametrize("flag", ["no", 1, 0.0, None, np.bool_(True)])
 def test_export_kv_must_be_a_bool(tiny, flag):
     """A truthy "no" pinned the prompt's blocks as if True had been given."""
     llm, good, logits = tiny
-    with pytest.raises(InvalidRequestError, match=rf"export_kv={flag!r} is a .*: use True or False"):
+    with pytest.raises(InvalidRequestError, match=rf"export_kv={flag!r} is a .*: use True or F"):
         llm.prefill([good], export_kv=flag)
     stats = llm.cache_stats()
     assert stats["blocks_used"] == 0 and stats["kv_handles_pinned"] == 0

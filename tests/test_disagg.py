@@ -291,13 +291,14 @@ def test_exports_never_starve_the_source(engines, hf, uneven_path):
     """max_model_len=32 over 8 blocks of 4: two pinned 13-token prompts took the whole cache,
     and the next request failed inside the engine ("scheduler found nothing to run")."""
     a, b, c = LONG[:13], LONG[1:14], LONG[2:15]
-    with LLM(uneven_path, max_model_len=32, **{**SMALL, "kv_cache_gb": _cache_of(engines[1], 8)}) as llm:
+    one_request = {**SMALL, "max_model_len": 32, "kv_cache_gb": _cache_of(engines[1], 8)}
+    with LLM(uneven_path, **one_request) as llm:
         with pytest.raises(KVPinnedError, match=r"8 must stay free for one max_model_len=32"):
             llm.prefill([a, b], export_kv=True)
         assert _blocks_used(llm) == 0  # the call's other export was given back too
         assert llm.generate([LONG[:17]], GREEDY)[0].token_ids == hf_greedy(hf, LONG[:17], 6)
     # 12 blocks: room to pin 4 and still serve a max_model_len prompt beside them
-    with LLM(uneven_path, max_model_len=32, **{**SMALL, "kv_cache_gb": _cache_of(engines[1], 12)}) as llm:
+    with LLM(uneven_path, **{**one_request, "kv_cache_gb": _cache_of(engines[1], 12)}) as llm:
         [kept] = llm.prefill([a], export_kv=True)
         with pytest.raises(KVPinnedError, match=rf"\({kept.kv.handle_id[:8]}\).*LLM.release\(kv\)"):
             llm.prefill([b], export_kv=True)

@@ -193,6 +193,7 @@ class BlockManager:
     def stats(self) -> dict:
         return {"blocks_total": self.num_blocks, "blocks_free": self.num_free_blocks,
                 "blocks_used": self.num_blocks - self.num_free_blocks,
-                "blocks_pinned": len(self.pins), "cached_blocks": len(self.cached), "prefix_lookup_tokens": self.lookup_tokens,
+                "blocks_pinned": len(self.pins), "cached_blocks": len(self.cached),
+                "prefix_lookup_tokens": self.lookup_tokens,
                 "prefix_hit_tokens": self.hit_tokens, "hash_collisions": self.collisions,
                 "hit_rate": self.hit_tokens / self.lookup_tokens if self.lookup_tokens else 0.0}
