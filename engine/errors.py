@@ -9,6 +9,12 @@ class InvalidRequestError(EngineError, ValueError):
     """A prompt or sampling setting the engine cannot serve. The engine stays usable."""
 
 
+class KVPinnedError(EngineError):
+    """Exported KV handles already pin so much of a cache that exporting one more request's K/V
+    would leave too little for one max_model_len request; the message names the handles and how
+    to free them. The engine stays usable (requests that export nothing are unaffected)."""
+
+
 class ConfigError(EngineError, ValueError):
     """An engine or parallel setting that cannot work."""
 

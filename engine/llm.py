@@ -21,11 +21,12 @@ from engine.driver.prompts import Prompt, PromptLimits, as_prompt_list, prompt_t
 from engine.driver.replica import Replica, StepTiming
 from engine.driver.sampling_params import SamplingParams, check_params
 from engine.driver.sequence import Sequence
-from engine.errors import InvalidRequestError
+from engine.errors import InvalidRequestError, KVPinnedError
 from engine.loading.checkpoint import open_checkpoint
+from engine.loading import weight_digest
 from engine.loading.tokenizer import load_tokenizer
 from engine.plan import RankInfo, make_plan
-from engine.transfer.exports import ExportTable
+from engine.transfer.exports import ExportTable, is_pinned
 from engine.transfer.handle import KVHandle, model_fingerprint
 from engine.transfer.imports import adopt
 
@@ -42,8 +43,7 @@ class LLM:
         self.tokenizer = load_tokenizer(ckpt)
         self.plan = plan = make_plan(cfg, model, mc)
         self.max_model_len = plan.max_model_len
-        self._limits = PromptLimits(model, mc.vocab_size, plan.max_model_len, plan.block_size,
-                                    plan.num_blocks, plan.cp)
+        self._limits = PromptLimits(model, mc.vocab_size, plan.max_model_len)
         # the core never refers back to this object, so an LLM dropped without shutdown() is
         # collected, and the finalizer releases its actors and placement groups
         connect_if_needed(cfg)
@@ -52,7 +52,9 @@ class LLM:
             cfg.retry_on_rank_failure, cfg.routing, plan.block_size)
         self._finalizer = weakref.finalize(self, self._core.shutdown)
         # disaggregated prefill: what a KVHandle must match here, and the handles given out
-        self._fingerprint = model_fingerprint(ckpt, plan.dtype, plan.block_size)
+        digests = self._core.call(lambda: self._core.replicas[0].executor.weight_digests())
+        self._fingerprint = model_fingerprint(mc, weight_digest.combine(digests), plan.dtype,
+                                              plan.block_size)
         self._exports = ExportTable(self._core, cfg.kv_handle_ttl_s, cfg.ray_address)
         self._exports_finalizer = weakref.finalize(self, self._exports.close)
         log.info("KV cache: %d blocks of %d tokens per rank, %d replica(s) of tp=%d",
@@ -70,14 +72,22 @@ class LLM:
         and the last position's logits. With `export_kv`, each output's `.kv` is a KVHandle for
         another engine's `decode()`; its blocks stay pinned here until it is decoded, released
         (`release(kv)`) or `kv_handle_ttl_s` passes."""
+        if not isinstance(export_kv, bool):  # "no" or 0.0 must not pin blocks by being truthy
+            kind = type(export_kv)  # numpy's bool calls itself "bool": name its module too
+            name = f"{kind.__module__}.{kind.__name__}".removeprefix("builtins.")
+            raise InvalidRequestError(f"export_kv={export_kv!r} is a {name}: use True or False")
         if export_kv:
             self._refuse_with_cp("prefill(export_kv=True)")
         first = dataclasses.replace(check_params(params), max_tokens=1)
         seqs = self._sequences(prompts, first, keep_first_logits=True)
         for s in seqs:
-            s.pin_kv = bool(export_kv)
+            s.pin_kv = export_kv
         try:
             self._run(seqs)
+        except KVPinnedError as e:
+            own = sum(is_pinned(s) for s in seqs)
+            self._exports.unpin(seqs)
+            raise KVPinnedError(f"{e}. {self._exports.describe_pinned(own)}") from None
         except BaseException:
             self._exports.unpin(seqs)
             raise
@@ -189,12 +199,15 @@ class LLM:
         return self._core.call(lambda: list(self._replica(replica).steps))
 
     def cache_stats(self) -> dict:
-        """Per replica: blocks used/free, prefix-cache hits, preemptions, per-rank KV bytes; and
+        """Blocks used/free/pinned, prefix-cache hits, preemptions, per-rank KV bytes: for the
+        whole engine at the top (the same keys at any dp), each replica's under `replicas`; and
         `kv_handles_pinned`, the exported handles whose blocks this engine still holds."""
         self._exports.sync()  # blocks of handles used, released or expired come back first
         out = self._core.call(lambda: [_replica_stats(r) for r in self._core.replicas])
-        pinned = {"kv_handles_pinned": self._exports.pinned_handles}
-        return {"replicas": out, **out[0], **pinned} if len(out) == 1 else {"replicas": out, **pinned}
+        if not out:
+            raise InvalidRequestError(SHUT_DOWN)
+        return {**_engine_stats(out), "replicas": out,
+                "kv_handles_pinned": self._exports.pinned_handles}
 
     def read_kv(self, layer: int, block_table: list[int], length: int,
                 replica: int = 0) -> list[tuple]:
@@ -300,3 +313,15 @@ def _replica_stats(r: Replica) -> dict:
     stats["kv_cache_bytes_per_rank"] = [i.kv_cache_bytes for i in r.rank_info]
     stats["preemptions"] = r.scheduler.num_preemptions
     return stats
+
+
+def _engine_stats(per_replica: list[dict]) -> dict:
+    """A replica's keys for the whole engine: counts summed over replicas, the hit rate of the
+    sums, per-rank figures as every replica has them (the replicas' ranks are alike)."""
+    total = dict(per_replica[0])
+    for key, value in total.items():
+        if isinstance(value, int):
+            total[key] = sum(r[key] for r in per_replica)
+    looked = total["prefix_lookup_tokens"]
+    total["hit_rate"] = total["prefix_hit_tokens"] / looked if looked else 0.0
+    return total

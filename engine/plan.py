@@ -82,6 +82,8 @@ class RankInfo:
     pid: int
     compiled: bool  # running torch.compile'd layers (False: eager, asked for or fallen back)
     warmup_s: float  # compilation at start-up
+    load_s: float  # reading the weights, digest included
+    weight_digest_s: float  # of load_s: digesting them (engine/loading/weight_digest.py)
 
     def to_dict(self) -> dict:
         return asdict(self)

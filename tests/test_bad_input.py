@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -115,3 +116,34 @@ def test_unsupported_architecture(tiny_model_dir, tmp_path):
 def test_bad_engine_settings(tiny_model_dir, settings, match):
     with pytest.raises(ConfigError, match=match):
         LLM(str(tiny_model_dir("qwen2")), **settings)
+
+
+@pytest.mark.parametrize("flag", ["no", 1, 0.0, None, np.bool_(True)])
+def test_export_kv_must_be_a_bool(tiny, flag):
+    """A truthy "no" pinned the prompt's blocks as if True had been given."""
+    llm, good, logits = tiny
+    with pytest.raises(InvalidRequestError, match=rf"export_kv={flag!r} is a .*: use True or F"):
+        llm.prefill([good], export_kv=flag)
+    stats = llm.cache_stats()
+    assert stats["blocks_used"] == 0 and stats["kv_handles_pinned"] == 0
+
+
+def test_the_smallest_cache_start_up_accepts_serves_a_max_model_len_prompt(tiny, tiny_model_dir):
+    """16 blocks of 4 tokens: exactly max_model_len=64, so start-up accepts it; a 64-token
+    prompt was then refused as needing 17 blocks, for generate and score alike."""
+    from engine import SamplingParams
+    from tests.reference import hf_greedy, hf_model
+
+    path = str(tiny_model_dir("qwen2"))
+    per_token = tiny[0].rank_info()[0].kv_bytes_per_token
+    prompt = [(7 * i) % 300 + 3 for i in range(64)]
+    with LLM(path, max_model_len=64, block_size=4, kv_cache_gb=16 * 4 * per_token / 2**30) as llm:
+        assert llm.cache_stats()["blocks_total"] == 16
+        [gen] = llm.generate([prompt], SamplingParams(max_tokens=4))
+        [scored] = llm.score([prompt])
+    hf = hf_model(path)
+    assert gen.token_ids == hf_greedy(hf, prompt, 1) and gen.finish_reason == "length"
+    with torch.inference_mode():
+        logits = hf(torch.tensor([prompt])).logits[0, :-1].float()
+    want = logits.log_softmax(-1).gather(-1, torch.tensor(prompt[1:])[:, None])[:, 0]
+    assert (torch.tensor(scored.logprobs) - want).abs().max().item() <= 1e-4

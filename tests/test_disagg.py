@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.errors import InvalidRequestError, RankFailure
+from engine.errors import InvalidRequestError, KVPinnedError, RankFailure
 from engine.transfer import KVHandle, KVTransferError
 from tests.reference import hf_greedy, hf_kv, hf_model
 
@@ -282,6 +282,80 @@ def test_destination_cache_too_small(engines, hf, uneven_path):
         [hf_greedy(hf, p, 6) for p in (LONG[1:], LONG[2:])]
 
 
+def _cache_of(llm: LLM, blocks: int) -> float:
+    """kv_cache_gb for exactly `blocks` blocks of 4 tokens of `llm`'s model."""
+    return blocks * 4 * llm.rank_info()[0].kv_bytes_per_token / 2**30
+
+
+def test_exports_never_starve_the_source(engines, hf, uneven_path):
+    """max_model_len=32 over 8 blocks of 4: two pinned 13-token prompts took the whole cache,
+    and the next request failed inside the engine ("scheduler found nothing to run")."""
+    a, b, c = LONG[:13], LONG[1:14], LONG[2:15]
+    one_request = {**SMALL, "max_model_len": 32, "kv_cache_gb": _cache_of(engines[1], 8)}
+    with LLM(uneven_path, **one_request) as llm:
+        with pytest.raises(KVPinnedError, match=r"8 must stay free for one max_model_len=32"):
+            llm.prefill([a, b], export_kv=True)
+        assert _blocks_used(llm) == 0  # the call's other export was given back too
+        assert llm.generate([LONG[:17]], GREEDY)[0].token_ids == hf_greedy(hf, LONG[:17], 6)
+    # 12 blocks: room to pin 4 and still serve a max_model_len prompt beside them
+    with LLM(uneven_path, **{**one_request, "kv_cache_gb": _cache_of(engines[1], 12)}) as llm:
+        [kept] = llm.prefill([a], export_kv=True)
+        with pytest.raises(KVPinnedError, match=rf"\({kept.kv.handle_id[:8]}\).*LLM.release\(kv\)"):
+            llm.prefill([b], export_kv=True)
+        assert llm.cache_stats()["blocks_pinned"] == 4
+        full = (LONG * 2)[:32]
+        assert llm.generate([full[:31]], GREEDY)[0].token_ids == hf_greedy(hf, full[:31], 1)
+        with pytest.raises(InvalidRequestError, match="takes a KVHandle"):
+            llm.release(kept)  # its repr (with the logits) once made the message
+        llm.release(kept.kv)
+        with pytest.raises(KVPinnedError, match=r"1 earlier prompt\(s\) of this call"):
+            llm.prefill([b, c], export_kv=True)  # b takes the 4 blocks c needed
+        assert _blocks_used(llm) == 0
+        [again] = llm.prefill([b], export_kv=True)  # the released blocks serve the next export
+        assert engines[2].decode([again.kv], GREEDY)[0].token_ids == hf_greedy(hf, b, 6)
+        assert _blocks_used(llm) == 0
+
+
+def test_a_handle_of_exactly_max_model_len(ray_cluster, uneven_path, hf):
+    """generate gives a max_model_len prompt its first token and "length"; decode of its handle
+    refused it and left its blocks pinned until the TTL."""
+    prompt = (LONG * 2)[:16]
+    with LLM(uneven_path, max_model_len=16, **SMALL) as llm:
+        [gen] = llm.generate([prompt], GREEDY)
+        [out] = llm.prefill([prompt], GREEDY, export_kv=True)
+        [dec] = llm.decode([out.kv], GREEDY)  # an in-process source may decode its own
+        assert gen.token_ids == dec.token_ids == hf_greedy(hf, prompt, 1)
+        assert gen.finish_reason == dec.finish_reason == "length"
+        stats = llm.cache_stats()
+        assert stats["blocks_used"] == 0 and stats["kv_handles_pinned"] == 0
+
+
+def test_a_fine_tune_is_another_model(engines, uneven_path, tmp_path):
+    """One weight of layer 0's k_proj changed, in the KV head a tp=2 engine's rank 1 loads:
+    the old check hashed a few embedding rows and the final norm only, and the fine-tune's
+    handle decoded on the base model without complaint."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    tuned = tmp_path / "tuned"
+    shutil.copytree(uneven_path, tuned)
+    [file] = tuned.glob("*.safetensors")
+    tensors = load_file(file)
+    tensors["model.layers.0.self_attn.k_proj.weight"][30, 7] += 1e-3  # row 30: KV head 2 of 3
+    save_file(tensors, file, metadata={"format": "pt"})
+    with LLM(str(tuned), tp=2, **SMALL) as fine_tune:
+        assert [i.kv_heads for i in fine_tune.rank_info()][1] == (2, 3)
+        [out] = fine_tune.prefill([LONG], export_kv=True)
+        with pytest.raises(InvalidRequestError, match="another model"):
+            engines[1].decode([out.kv], GREEDY)
+        [base] = engines[2].prefill([LONG], export_kv=True)
+        with pytest.raises(InvalidRequestError, match="another model"):
+            fine_tune.decode([base.kv], GREEDY)
+        engines[2].release(base.kv)
+    assert _blocks_used(engines[1]) == 0
+
+
 def test_hung_dead_and_shut_down_source(engines, hf, uneven_path):
     dec = engines[2]
     source = LLM(uneven_path, executor="ray", **SMALL)  # one rank, in its own actor
@@ -361,3 +435,35 @@ def test_disagg_app_serves_a_stream_of_requests(uneven_path):
     assert "output tokens/s" in r.stdout and not r.leaked, r.explain()
     rows = [line for line in r.stdout.splitlines() if line.strip().startswith("│")]
     assert [row.split("│")[-2].strip() for row in rows] == ["4", "4", "4"], r.explain()
+
+
+@pytest.fixture(scope="module")
+def dp2(ray_cluster, engines, uneven_path):
+    """Two replicas of 8 blocks each (one max_model_len=32 request)."""
+    with LLM(uneven_path, dp=2, max_model_len=32,
+             **{**SMALL, "kv_cache_gb": _cache_of(engines[1], 8)}) as llm:
+        yield llm
+
+
+def test_decode_spreads_one_calls_handles_over_replicas(engines, hf, dp2):
+    """Two handles of 5 blocks: both went to replica 0 ("3 free of 8") while replica 1 had 8."""
+    prompts = [LONG, LONG[::-1]]
+    outs = engines[1].prefill(prompts, export_kv=True)
+    gens = dp2.decode([o.kv for o in outs], GREEDY)
+    assert [g.token_ids for g in gens] == [hf_greedy(hf, p, 6) for p in prompts]
+    assert [len(dp2.step_timings(r)) > 0 for r in (0, 1)] == [True, True]
+    assert _blocks_used(engines[1]) == 0
+
+
+def test_cache_stats_keys_do_not_depend_on_dp(engines, dp2):
+    """dp=2 had only "replicas" and "kv_handles_pinned" at the top: code written for dp=1
+    (stats["blocks_used"]) broke."""
+    fresh = list(range(50, 62))  # in no cache yet
+    before = dp2.cache_stats()["prefix_hit_tokens"]
+    dp2.prefill([fresh])
+    dp2.prefill([fresh + [3]])  # a hit of the 3 blocks cached by the first
+    stats, one = dp2.cache_stats(), engines[1].cache_stats()
+    assert set(stats) == set(one) and len(stats["replicas"]) == 2
+    for key in ("blocks_total", "blocks_used", "blocks_free", "prefix_hit_tokens", "cached_blocks"):
+        assert stats[key] == sum(r[key] for r in stats["replicas"]), key
+    assert stats["blocks_total"] == 16 and stats["prefix_hit_tokens"] - before == 12

@@ -138,7 +138,7 @@ def test_good_settings_pass(tmp_path):
 
 # ---------------------------------------------------------------- prompts
 
-LIMITS = PromptLimits("m", vocab_size=300, max_model_len=64, block_size=16, num_blocks=8)
+LIMITS = PromptLimits("m", vocab_size=300, max_model_len=64)
 
 
 @pytest.mark.parametrize("prompt, match", [

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Callable
 
@@ -51,6 +51,7 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[int, int] = {}  # chained hash -> block id
+        self.pins: Counter[int] = Counter()  # block id -> exported handles holding it
         self.lookup_tokens = 0
         self.hit_tokens = 0
         self.collisions = 0
@@ -159,6 +160,22 @@ class BlockManager:
             if block.ref_count == 0:
                 self.free_ids[bid] = None
 
+    def can_pin(self, block_table: list[int], keep_free: int) -> bool:
+        """Whether pinning `block_table` as well leaves `keep_free` blocks no export holds."""
+        return self.num_blocks - len(self.pins.keys() | set(block_table)) >= keep_free
+
+    def pin(self, block_table: list[int]) -> None:
+        """An export takes over a finished sequence's references to these blocks."""
+        self.pins.update(block_table)
+
+    def unpin(self, block_table: list[int]) -> None:
+        """An export ended (decoded, released, expired): its references go back."""
+        self.pins.subtract(block_table)
+        for bid in block_table:
+            if self.pins[bid] <= 0:
+                del self.pins[bid]
+        self.free_blocks(block_table)
+
     def _take(self, bid: int) -> None:
         block = self.blocks[bid]
         if block.ref_count == 0:
@@ -176,6 +193,7 @@ class BlockManager:
     def stats(self) -> dict:
         return {"blocks_total": self.num_blocks, "blocks_free": self.num_free_blocks,
                 "blocks_used": self.num_blocks - self.num_free_blocks,
-                "cached_blocks": len(self.cached), "prefix_lookup_tokens": self.lookup_tokens,
+                "blocks_pinned": len(self.pins), "cached_blocks": len(self.cached),
+                "prefix_lookup_tokens": self.lookup_tokens,
                 "prefix_hit_tokens": self.hit_tokens, "hash_collisions": self.collisions,
                 "hit_rate": self.hit_tokens / self.lookup_tokens if self.lookup_tokens else 0.0}

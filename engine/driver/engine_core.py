@@ -19,7 +19,8 @@ from typing import Callable, TypeVar
 from engine.driver.replica import Replica
 from engine.driver.router import Router
 from engine.driver.sequence import FinishReason, Sequence
-from engine.errors import EngineError, InvalidRequestError, NumericalError, RankFailure
+from engine.errors import (EngineError, InvalidRequestError, KVPinnedError, NumericalError,
+                           RankFailure)
 
 log = logging.getLogger("engine")
 T = TypeVar("T")
@@ -308,6 +309,8 @@ def _resolve(seq: Sequence) -> None:
             f"the model gave NaN/Inf logits for this request (prompt of {seq.num_prompt_tokens} "
             f"tokens): the weights or dtype overflow; try dtype='float32'. Other requests are "
             f"unaffected"))
+    elif seq.finish_reason is FinishReason.EXPORT_REFUSED:
+        _fail(seq, KVPinnedError(seq.error))
     elif seq.finish_reason is FinishReason.ERROR:
         _fail(seq, InvalidRequestError(f"sampling failed for this request: {seq.error}; check "
                                        f"its SamplingParams. Other requests are unaffected"))

@@ -54,6 +54,10 @@ class Executor(ABC):
     def info(self) -> list[RankInfo]:
         return self._call(Worker.info)
 
+    def weight_digests(self) -> list[dict]:
+        """Every rank's digests of the weight slices it loaded (engine/loading/weight_digest.py)."""
+        return self._call(Worker.weight_digest)
+
     def read_kv(self, layer: int, block_table: list[int], length: int) -> list[tuple]:
         return self._call(Worker.read_kv, layer, block_table, length)
 

@@ -7,21 +7,20 @@ from dataclasses import dataclass
 
 from engine.errors import InvalidRequestError
 from engine.loading.tokenizer import Tokenizer
-from engine.rank.cp_layout import max_held
 
 Prompt = str | list[int]
 
 
 @dataclass(frozen=True, slots=True)
 class PromptLimits:
-    """What the engine can serve: the vocabulary, the context, the KV pool."""
+    """What the engine can serve: the vocabulary and the context. The KV pool needs no check
+    per prompt: the start-up check (plan._num_blocks) makes it hold one request of max_model_len
+    tokens, the most K/V any request holds (it ends there), so any prompt that fits the context
+    fits the cache."""
 
     model: str
     vocab_size: int
     max_model_len: int
-    block_size: int
-    num_blocks: int
-    cp: int = 1  # context ranks: a sequence takes only the blocks of its largest slice
 
 
 def as_prompt_list(prompts) -> list[Prompt]:
@@ -72,7 +71,7 @@ def _text_ids(text: str, tokenizer: Tokenizer | None, model: str) -> list[int]:
 
 
 def prompt_token_ids(prompt: Prompt, tokenizer: Tokenizer | None, limits: PromptLimits) -> list[int]:
-    """The prompt's token ids, checked against the vocabulary, the context and the cache."""
+    """The prompt's token ids, checked against the vocabulary and the context."""
     if isinstance(prompt, str):
         ids = _text_ids(prompt, tokenizer, limits.model)
     elif isinstance(prompt, (list, tuple)):
@@ -90,9 +89,4 @@ def prompt_token_ids(prompt: Prompt, tokenizer: Tokenizer | None, limits: Prompt
         raise InvalidRequestError(
             f"prompt of {len(ids)} tokens exceeds max_model_len={limits.max_model_len}; "
             f"shorten it or raise max_model_len (at most the model's context)")
-    blocks = -(-max_held(len(ids) + 1, limits.cp) // limits.block_size)
-    if blocks > limits.num_blocks:
-        raise InvalidRequestError(
-            f"prompt of {len(ids)} tokens needs {blocks} KV blocks but the cache holds "
-            f"{limits.num_blocks}; raise kv_cache_gb")
     return ids

@@ -155,14 +155,31 @@ class Scheduler:
         return finished
 
     def _finish(self, seq: Sequence, reason: FinishReason, finished: list[Sequence]) -> None:
+        exported = seq.pin_kv and reason in (FinishReason.STOP, FinishReason.LENGTH)
+        if exported and not self._may_pin(seq):
+            reason, exported = FinishReason.EXPORT_REFUSED, False
         seq.finish_reason, seq.status = reason, Status.FINISHED
         seq.kv_block_table = list(seq.block_table)
-        if seq.pin_kv and reason in (FinishReason.STOP, FinishReason.LENGTH):
-            seq.block_table = []  # its references pass to the KV export, which frees them
+        if exported:  # its references pass to the KV export, which unpins them
+            self.blocks.pin(seq.block_table)
+            seq.block_table = []
         else:
             self.blocks.free(seq)
         self.running.remove(seq)
         finished.append(seq)
+
+    def _may_pin(self, seq: Sequence) -> bool:
+        """Whether an exported sequence's blocks may stay pinned: not if that left fewer free
+        than one max_model_len request needs (the request then fails, saying why), so pins
+        never starve requests that export nothing."""
+        keep = self.blocks.blocks_needed(self.max_model_len)
+        if self.blocks.can_pin(seq.block_table, keep):
+            return True
+        seq.error = (f"exporting this request's K/V would pin its {len(seq.block_table)} blocks "
+                     f"while exports already pin {len(self.blocks.pins)} of the cache's "
+                     f"{self.blocks.num_blocks}; {keep} must stay free for one "
+                     f"max_model_len={self.max_model_len} request")
+        return False
 
     def _finish_reason(self, seq: Sequence) -> FinishReason | None:
         if not seq.params.ignore_eos and seq.token_ids[-1] in self.eos_token_ids:

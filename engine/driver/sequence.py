@@ -28,6 +28,8 @@ class FinishReason(StrEnum):
     NONFINITE = "nonfinite"  # the model gave NaN/Inf logits: the request fails
     SCORED = "scored"  # a scoring request: every position's log-probability is in
     ERROR = "error"  # sampling raised for this request's settings: the request fails
+    # export_kv: pinning its blocks would leave too little cache for one max_model_len request
+    EXPORT_REFUSED = "export_refused"
     ABORTED = "aborted"  # cancelled, or failed with the rest of its step
 
 

@@ -13,6 +13,7 @@ from torch import nn
 from engine.batch import Batch, SamplingSpec, StepResult
 from engine.errors import ModelLoadError
 from engine.loading.checkpoint import Checkpoint, open_checkpoint
+from engine.loading.weight_digest import Slices, WeightDigest
 from engine.observe.tracer import OpTracer
 from engine.plan import EnginePlan, RankInfo
 from engine.rank.attention import StepContext
@@ -65,7 +66,9 @@ class Worker:
         for p in self.model.parameters():
             p.data = torch.empty_like(p.data, device=self.device, dtype=plan.dtype)
         self.model.to(self.device)
+        started = time.perf_counter()
         self._load(checkpoint or open_checkpoint(plan.source))
+        self.load_s = time.perf_counter() - started
         self.decode_weights = (DecodeWeights(self.model, plan.decode_dtype, packed=not plan.compile)
                                if plan.decode_dtype is not None else None)
         self.cache = KVCache(plan.model.num_layers, plan.num_blocks, plan.block_size,
@@ -107,8 +110,10 @@ class Worker:
                            [SamplingSpec()] * num_seqs))
 
     def _load(self, ckpt: Checkpoint) -> None:
-        """Every tensor the model needs, each exactly as expected, and no tensor left over."""
+        """Every tensor the model needs, each exactly as expected, and no tensor left over;
+        each slice is digested as it comes in (`weight_digest`)."""
         used: set[str] = set()
+        self._digest = WeightDigest()
 
         def read(name, dim, start, stop):
             used.add(name)
@@ -116,6 +121,7 @@ class Worker:
             if not torch.isfinite(tensor).all():
                 raise ModelLoadError(f"{ckpt.source}: tensor {name} holds NaN or Inf values; "
                                      f"the checkpoint is corrupt")
+            self._digest.add(name, dim, start, tensor)
             return tensor
 
         try:
@@ -134,7 +140,12 @@ class Worker:
                         + (self.decode_weights.nbytes if self.decode_weights else 0),
                         self.plan.kv_bytes_per_token(heads.num_kv_heads), self.cache.num_blocks,
                         self.cache.nbytes, os.getpid(),
-                        self.compiled is not None and self.compiled.usable, self.warmup_s)
+                        self.compiled is not None and self.compiled.usable, self.warmup_s,
+                        self.load_s, self._digest.seconds)
+
+    def weight_digest(self) -> Slices:
+        """The digests of every weight slice this rank loaded (the driver combines them)."""
+        return self._digest.slices
 
     def execute(self, batch: Batch) -> StepResult | None:
         graph_rows = self._decode_graph_rows(batch)

@@ -9,6 +9,7 @@ Pinned blocks are reclaimed lazily, whenever this engine next takes a request, a
 """
 from __future__ import annotations
 
+import threading
 import uuid
 from dataclasses import dataclass
 
@@ -37,6 +38,7 @@ class ExportTable:
         self._core, self._ttl_s, self._address = core, ttl_s, ray_address
         self._records: dict[str, _Export] = {}
         self._leases = None  # started with the first export
+        self._starting = threading.Lock()  # two first exports at once must start one table
 
     def export(self, seqs: list[Sequence], fingerprint: ModelFingerprint) -> list[KVHandle]:
         """Handles for finished, pinned sequences (their blocks are unpinned if this fails)."""
@@ -45,8 +47,9 @@ class ExportTable:
 
         try:
             cluster.connect(self._address)  # an in-process rank publishes into the object store too
-            if self._leases is None:
-                self._leases = start_lease_table()
+            with self._starting:
+                if self._leases is None:
+                    self._leases = start_lease_table()
             return self._core.call(lambda: [self._publish(s, fingerprint) for s in seqs])
         except BaseException:
             self.unpin(seqs)  # handles made before the failure expire with their TTL
@@ -87,10 +90,13 @@ class ExportTable:
         replicas = self._core.replicas
         r = replicas[replica] if isinstance(replica, int) else replica
         if any(r is mine for mine in replicas):  # else restarted: those blocks are gone anyway
-            r.block_manager.free_blocks(table)
+            r.block_manager.unpin(table)
 
     def release(self, handle: KVHandle) -> None:
-        if not isinstance(handle, KVHandle) or handle.handle_id not in self._records:
+        if not isinstance(handle, KVHandle):  # a PrefillOutput's repr would print its logits
+            raise InvalidRequestError(f"release() takes a KVHandle (PrefillOutput.kv of a "
+                                      f"prefill with export_kv=True), got {type(handle).__name__}")
+        if handle.handle_id not in self._records:
             raise InvalidRequestError(f"{handle!r} was not exported by this engine, or its blocks "
                                       f"were already reclaimed (used, released or expired)")
         import ray
@@ -121,6 +127,23 @@ class ExportTable:
     @property
     def pinned_handles(self) -> int:
         return len(self._records)
+
+    def describe_pinned(self, own: int) -> str:
+        """Who pins blocks here and how to free them, for a refused export's message; `own`:
+        the refused call's prompts pinned before it."""
+        ids = [h[:8] for h in self._records]  # as KVHandle's repr shows them
+        why = []
+        if ids:
+            named = ", ".join(ids[:5]) + (f" and {len(ids) - 5} more" if len(ids) > 5 else "")
+            why.append(f"{len(ids)} exported handle(s) pin blocks here ({named}): decode them on "
+                       f"another engine, release them with LLM.release(kv), or let their "
+                       f"kv_handle_ttl_s={self._ttl_s:g} s pass")
+        if own:
+            why.append(f"{own} earlier prompt(s) of this call took pins: export fewer at once")
+        if not why:
+            return ("Nothing else pins blocks here: a cache of one max_model_len request can keep "
+                    "no K/V pinned; raise kv_cache_gb or lower max_model_len")
+        return "; ".join(why) + "; or raise kv_cache_gb"
 
     def close(self) -> None:
         """The engine is going away or restarting: its handles can no longer be claimed (their

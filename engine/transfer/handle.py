@@ -7,18 +7,14 @@ layout, the prompt and its first token, and the lease that says whether it may s
 """
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 
 from engine.errors import EngineError, InvalidRequestError
-from engine.loading.checkpoint import Checkpoint
+from engine.loading.model_config import ModelConfig
 from parallel.partition import Range
-
-# a few tensors every supported architecture has, hashed to tell checkpoints of one shape apart
-_PROBE_TENSORS = (("model.embed_tokens.weight", 0, 8), ("model.norm.weight", None, 0))
 
 
 class KVTransferError(EngineError):
@@ -37,7 +33,7 @@ class ModelFingerprint:
     head_dim: int
     hidden_size: int
     vocab_size: int
-    weights: str  # digest of a few tensors' values: same shapes but other weights differ here
+    weights: str  # digest of every weight loaded (weight_digest.py): a fine-tune differs here
     dtype: str
     block_size: int
 
@@ -75,15 +71,11 @@ class KVHandle:
                 f"{self.first_token}, source tp={self.source_tp}, {self.fingerprint.dtype})")
 
 
-def model_fingerprint(ckpt: Checkpoint, dtype: torch.dtype, block_size: int) -> ModelFingerprint:
-    mc = ckpt.config
-    digest = hashlib.blake2b(digest_size=12)
-    for name, dim, stop in _PROBE_TENSORS:
-        if name in ckpt.names():
-            stop = stop or ckpt.shape(name)[0]
-            digest.update(ckpt.read(name, dim, 0, stop).float().contiguous().numpy().tobytes())
+def model_fingerprint(mc: ModelConfig, weights: str, dtype: torch.dtype,
+                      block_size: int) -> ModelFingerprint:
+    """`weights`: the digest the ranks computed as they loaded (weight_digest.combine)."""
     return ModelFingerprint(mc.architecture, mc.num_layers, mc.num_heads, mc.num_kv_heads,
-                            mc.head_dim, mc.hidden_size, mc.vocab_size, digest.hexdigest(),
+                            mc.head_dim, mc.hidden_size, mc.vocab_size, weights,
                             str(dtype).removeprefix("torch."), block_size)
 
 
@@ -104,7 +96,9 @@ def check_handle(handle: object, mine: ModelFingerprint) -> KVHandle:
                                   f"same block_size on both")
     diff = [f.name for f in fields(ModelFingerprint) if getattr(theirs, f.name) != getattr(mine, f.name)]
     if diff:
-        what = ", ".join(f"{d}: {getattr(theirs, d)!r} vs {getattr(mine, d)!r}" for d in diff)
+        what = ("same shapes, other weights: a fine-tune or another checkpoint"
+                if diff == ["weights"] else
+                ", ".join(f"{d}: {getattr(theirs, d)!r} vs {getattr(mine, d)!r}" for d in diff))
         raise InvalidRequestError(f"{handle!r} comes from another model ({what}); decode it on an "
                                   f"engine of the same checkpoint")
     _check_layout(handle, mine)

@@ -31,9 +31,11 @@ def adopt(core: EngineCore, plan: EnginePlan, fp: ModelFingerprint, handles: lis
     if len(set(ids)) != len(ids):
         raise InvalidRequestError("the same KVHandle appears twice; each can be decoded once")
     for h in handles:
-        if h.num_tokens >= plan.max_model_len:
-            raise InvalidRequestError(f"{h!r} holds {h.num_tokens} tokens, at or past this engine's "
-                                      f"max_model_len={plan.max_model_len}; raise max_model_len")
+        if h.num_tokens > plan.max_model_len:
+            raise InvalidRequestError(
+                f"{h!r} holds {h.num_tokens} tokens, past this engine's max_model_len="
+                f"{plan.max_model_len}; decode it on an engine with max_model_len >= "
+                f"{h.num_tokens}, or release it on its source (it stays pinned there until then)")
     claimed: list[KVHandle] = []
     try:
         for h in handles:
@@ -78,12 +80,14 @@ def _adopt_all(replicas: list[Replica], handles: list[KVHandle], params: Samplin
     if not replicas:
         raise InvalidRequestError(SHUT_DOWN)
     taken: list[tuple[Replica, list[int]]] = []
+    placed = [0] * len(replicas)  # handles of this call given to each replica so far
     try:
         for h in handles:
-            taken.append(_allocate(replicas, h))
+            taken.append(_allocate(replicas, h, placed))
         for replica in {id(r): r for r, _ in taken}.values():
-            mine = [(h, t) for h, (r, t) in zip(handles, taken) if r is replica]
-            _pull(replica, mine, timeout_s)
+            mine = [(h, t) for h, (r, t) in zip(handles, taken) if r is replica and t]
+            if mine:
+                _pull(replica, mine, timeout_s)
     except BaseException:
         for replica, table in taken:
             replica.block_manager.free_blocks(table)
@@ -91,17 +95,25 @@ def _adopt_all(replicas: list[Replica], handles: list[KVHandle], params: Samplin
     return [_enter(r, h, t, params) for h, (r, t) in zip(handles, taken)]
 
 
-def _allocate(replicas: list[Replica], h: KVHandle) -> tuple[Replica, list[int]]:
-    replica = min(replicas, key=lambda r: r.load)
-    bm = replica.block_manager
-    need = bm.blocks_for(h.num_tokens + 1)  # the prompt and the first token's slot
-    table = bm.allocate_blocks(need)
-    if table is None:
+def _allocate(replicas: list[Replica], h: KVHandle, placed: list[int]) -> tuple[Replica, list[int]]:
+    """Blocks for the handle's prompt and first token on the least loaded replica with room,
+    counting the handles of this call already placed (their requests enter only at the end).
+    A handle of exactly max_model_len tokens ends with its first token, as `generate` of that
+    prompt does: it needs no blocks and no pull."""
+    if h.num_tokens >= replicas[0].scheduler.max_model_len:
+        return replicas[0], []
+    need = replicas[0].block_manager.blocks_for(h.num_tokens + 1)
+    roomy = [i for i, r in enumerate(replicas) if r.block_manager.num_free_blocks >= need]
+    if not roomy:
+        bm = max((r.block_manager for r in replicas), key=lambda b: b.num_free_blocks)
+        where = "the destination has" if len(replicas) == 1 else "its roomiest replica has"
         raise InvalidRequestError(
-            f"{h!r} needs {need} blocks of {bm.block_size} tokens but the destination has "
+            f"{h!r} needs {need} blocks of {bm.block_size} tokens but {where} "
             f"{bm.num_free_blocks} free of {bm.num_blocks}; raise kv_cache_gb, decode fewer "
             f"handles at once, or wait for running requests to finish")
-    return replica, table
+    best = min(roomy, key=lambda i: replicas[i].load + placed[i])
+    placed[best] += 1
+    return replicas[best], replicas[best].block_manager.allocate_blocks(need)
 
 
 def _pull(replica: Replica, items: list[tuple[KVHandle, list[int]]], timeout_s: float) -> None:
