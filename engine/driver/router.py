@@ -5,7 +5,8 @@ one-at-a-time traffic alternates too. Prefix affinity: the replica whose prefix 
 the prompt, but only where that pays:
 - tokens every recent prompt starts with (a chat template, a shared system prompt) do not count:
   every replica caches them after one request, and counting them sent all chat traffic to the
-  replica that served first;
+  replica that served first; a recent prompt the new one wholly extends (an earlier turn of its
+  conversation) is no template, and its blocks do count;
 - the gain over the least loaded replica must be at least one KV block;
 - and the preferred replica may be at most `AFFINITY_LOAD_SLACK` requests busier than the least
   loaded one (a hot prefix must not pile its requests onto one replica), as SGLang's cache-aware
@@ -41,7 +42,7 @@ class Router:
         choice = least
         if self._prefix_affinity and len(live) > 1:
             choice = self._affine(tokens, replicas, live, least)
-        self._recent.append(tokens)
+        self._recent.append(list(tokens))  # a copy: a sequence's own list grows as it decodes
         self._last = choice
         return choice
 
@@ -58,11 +59,14 @@ class Router:
         return best if pays and near else least
 
     def _shared_prefix(self, tokens: list[int]) -> int:
-        """How many leading tokens `tokens` shares with every recent prompt (0 with none yet)."""
-        if not self._recent:
+        """How many leading tokens `tokens` shares with every recent prompt that diverges from
+        it (0 with none). A recent prompt that `tokens` wholly extends (an earlier turn of the
+        same conversation, or the same prompt again) is not a template: its blocks pay."""
+        others = [o for o in self._recent if not (len(o) <= len(tokens) and tokens[:len(o)] == o)]
+        if not others:
             return 0
         shared = len(tokens)
-        for other in self._recent:
+        for other in others:
             shared = _common_prefix(tokens, other, shared)
             if shared == 0:
                 break
