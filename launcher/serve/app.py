@@ -123,20 +123,20 @@ def _describe(err: dict) -> str:
 
 async def _serve(request: Request, req, whole, chunks, metrics: ServerMetrics, gate: Gate):
     gate.enter()
-    try:
-        if not req.stream:
-            body = await _until_disconnect(request, _engine_errors(whole(req)))
-            metrics.observe(body.pop("_timing"), body["usage"])
-            return body
-        stream = chunks(req)
+    if not req.stream:
         try:
-            # the first chunk before the headers: a bad request still gets its status code
-            first = await _until_disconnect(request, _engine_errors(anext(stream)))
-        except BaseException:
-            await stream.aclose()  # cancels the engine's request if it started
-            raise
+            body = await _until_disconnect(request, _engine_errors(whole(req)))
+        finally:
+            gate.leave()
+        metrics.observe(body.pop("_timing"), body["usage"])
+        return body
+    stream = chunks(req)
+    try:
+        # the first chunk before the headers: a bad request still gets its status code
+        first = await _until_disconnect(request, _engine_errors(anext(stream)))
     except BaseException:
         gate.leave()
+        await stream.aclose()  # cancels the engine's request if it started
         raise
     return StreamingResponse(_sse(first, stream, req.include_usage, metrics, gate),
                              media_type="text/event-stream")

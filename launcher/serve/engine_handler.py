@@ -191,7 +191,7 @@ class EngineHandler:
 
     async def _run_one(self, c: Choice, params: SamplingParams,
                        stops: list[str]) -> AsyncIterator[Delta]:
-        text = TextStream(self.llm.tokenizer, stops)
+        text, last = TextStream(self.llm.tokenizer, stops), ""
         async with aclosing(self.llm.stream_with_output(c.prompt_ids, params)) as items:
             async for item in items:
                 if isinstance(item, GenerateOutput):
@@ -200,12 +200,12 @@ class EngineHandler:
                 c.token_times.append(time.perf_counter())
                 c.token_ids.append(item)
                 piece = text.add(item)
-                c.text += piece
                 if text.stopped:  # leaving the loop cancels the request
-                    c.finish_reason = "stop"
+                    c.finish_reason, last = "stop", piece
                     break
+                c.text += piece
                 yield Delta(c, piece)
-        rest = text.flush()
+        rest = last + text.flush()
         c.text += rest
         yield Delta(c, rest, c.finish_reason)
 
