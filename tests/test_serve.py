@@ -273,15 +273,19 @@ def test_metrics_move_with_each_request(llm, client, url):
     assert moved("vllm:time_to_first_token_seconds_count") == 1
     assert moved("vllm:inter_token_latency_seconds_count") == 4
     assert moved("vllm:e2e_request_latency_seconds_count") == 1
-    assert moved("vllm:prefix_cache_queries_total") == len(llm.tokenize(PROMPT))
-    # the same prompt again: its full blocks come from the prefix cache (none here: 5 tokens)
+    engine = "engine=0,model_name=smollm2"
+    queries = f"vllm:prefix_cache_queries_total{{{engine}}}"
+    assert after[queries] - before[queries] == len(llm.tokenize(PROMPT))
+    # a prompt again: its whole blocks (but the last token's) come from the prefix cache
     long_prompt = " ".join(["prefill"] * 40)
     client.completions.create(model="smollm2", prompt=long_prompt, max_tokens=1)
-    hits = metric_samples(url)[name("vllm:prefix_cache_hits_total")]
-    client.completions.create(model="smollm2", prompt=long_prompt, max_tokens=1)
-    full_blocks = (len(llm.tokenize(long_prompt)) - 1) // llm.config.block_size * llm.config.block_size
-    assert metric_samples(url)[name("vllm:prefix_cache_hits_total")] - hits == full_blocks
-    engine = "engine=0,model_name=smollm2"
+    hits = f"vllm:prefix_cache_hits_total{{{engine}}}"
+    before = metric_samples(url)[hits]
+    again = client.completions.create(model="smollm2", prompt=long_prompt, max_tokens=1)
+    block = llm.config.block_size
+    whole_blocks = (len(llm.tokenize(long_prompt)) - 1) // block * block
+    assert metric_samples(url)[hits] - before == whole_blocks
+    assert again.usage.prompt_tokens_details.cached_tokens == whole_blocks
     assert after[f"prefill:kv_blocks_total{{{engine}}}"] == llm.cache_stats()["blocks_total"]
     assert after[f"prefill:engine_up{{{engine}}}"] == 1
     assert f"vllm:kv_cache_usage_perc{{{engine}}}" in after

@@ -46,6 +46,9 @@ class Delta:
 
 
 log = logging.getLogger("serve")
+# what /metrics shows of each engine replica, from LLM.cache_stats()
+REPLICA_STATS = ("blocks_used", "blocks_total", "requests_running", "requests_waiting",
+                 "prefix_lookup_tokens", "prefix_hit_tokens")
 
 
 class EngineHandler:
@@ -109,16 +112,14 @@ class EngineHandler:
         yield self._envelope("chat.completion.chunk", [], choices, start, rid)
 
     async def stats(self) -> list[dict]:
-        """Per engine replica: KV blocks used and total, requests running and waiting; whether
-        it is up, and the rank failures and restarts this handler saw."""
+        """Per engine replica: REPLICA_STATS; whether it is up, and the rank failures and
+        restarts this handler saw."""
         own = {"up": int(self.down is None), "rank_failures": self.rank_failures,
                "restarts": self.restarts}
         if self.down is not None:  # the rank groups are being rebuilt: nothing to ask
-            return [{"blocks_used": 0, "blocks_total": 0, "requests_running": 0,
-                     "requests_waiting": 0, **own}]
+            return [{**dict.fromkeys(REPLICA_STATS, 0), **own}]
         s = await asyncio.to_thread(self.llm.cache_stats)
-        return [{**{k: r[k] for k in ("blocks_used", "blocks_total", "requests_running",
-                                      "requests_waiting")}, **own} for r in s["replicas"]]
+        return [{**{k: r[k] for k in REPLICA_STATS}, **own} for r in s["replicas"]]
 
     def _on_rank_failure(self, error: RankFailure) -> None:
         """Refuse requests (503) and rebuild the rank groups in the background."""

@@ -26,10 +26,6 @@ class ServerMetrics:
                                      registry=r)
         self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated.", m,
                                          registry=r)
-        self.cache_queries = Counter("vllm:prefix_cache_queries", "Prompt tokens looked up in "
-                                     "the prefix cache.", m, registry=r)
-        self.cache_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens served by the prefix "
-                                  "cache.", m, registry=r)
         self.success = Counter("vllm:request_success", "Requests finished.",
                                [*m, "finished_reason"], registry=r)
         self.rejected = Counter("prefill:requests_rejected", "Requests refused before the "
@@ -51,9 +47,6 @@ class ServerMetrics:
             self.success.labels(label, reason or "abort").inc()
         self.prompt_tokens.labels(label).inc(usage["prompt_tokens"])
         self.generation_tokens.labels(label).inc(usage["completion_tokens"])
-        self.cache_queries.labels(label).inc(usage["prompt_tokens"])
-        cached = usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
-        self.cache_hits.labels(label).inc(cached)
 
     def render(self, engine_stats: list[dict]) -> bytes:
         self.engine_stats = engine_stats
@@ -71,7 +64,11 @@ class _EngineCollector:
               "prefill:kv_blocks_total": ("blocks_total", "KV-cache blocks per rank."),
               "prefill:engine_up": ("up", "1 while the replica serves, 0 while it is down or "
                                     "restarting.")}
-    COUNTERS = {"prefill:rank_failures": ("rank_failures", "Rank failures seen by requests."),
+    COUNTERS = {"vllm:prefix_cache_queries": ("prefix_lookup_tokens", "Prompt tokens looked up "
+                                              "in the prefix cache."),
+                "vllm:prefix_cache_hits": ("prefix_hit_tokens", "Prompt tokens served by the "
+                                           "prefix cache."),
+                "prefill:rank_failures": ("rank_failures", "Rank failures seen by requests."),
                 "prefill:engine_restarts": ("restarts", "Restarts of the replica's rank groups.")}
 
     def __init__(self, metrics: ServerMetrics):
