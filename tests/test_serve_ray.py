@@ -2,6 +2,10 @@
 shared Ray cluster, driven by the official `openai` client; the reference is `LLM.generate`."""
 from __future__ import annotations
 
+import os
+import signal
+
+import httpx
 import openai
 import pytest
 
@@ -64,3 +68,32 @@ def test_prefix_router_sends_a_shared_prefix_to_the_engine_that_has_it():
     assert router.pick("unrelated " * 20) != first  # a miss goes to the least loaded
     router.in_flight[first] -= 5
     assert {router.pick(f"{i} new prompt " * 10) for i in range(4)} == {0, 1}  # taking turns
+
+
+def test_a_killed_rank_gives_503_health_down_then_a_restart(ray_cluster):
+    """A tp=2 engine loses a rank: the request in its way gets 503, /health says 503 while the
+    rank groups restart, then the server serves again and /metrics counts both events."""
+    from engine import LLM
+    from launcher.serve.app import build_app
+    from launcher.serve.engine_handler import EngineHandler
+    from tests.serve_util import running
+
+    with LLM("smollm2", tp=2, step_timeout_s=20) as llm, \
+            running(build_app(EngineHandler(llm, "smollm2"))) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+        want = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=3,
+                                         temperature=0).choices[0].text
+        os.kill(llm.rank_pids()[0][1], signal.SIGKILL)
+        with pytest.raises(openai.APIStatusError) as e:
+            client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=3)
+        assert e.value.status_code == 503 and "rank" in e.value.message
+        seen = []
+        wait_until(lambda: seen.append(httpx.get(f"{url}/health").status_code) or seen[-1] == 200,
+                   timeout=180, what="the restart")
+        assert seen[0] == 503
+        got = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=3,
+                                        temperature=0).choices[0].text
+        assert got == want
+        m = metric_samples(url)
+        assert m["prefill:rank_failures_total{engine=0,model_name=smollm2}"] == 1
+        assert m["prefill:engine_restarts_total{engine=0,model_name=smollm2}"] == 1
