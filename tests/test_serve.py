@@ -301,6 +301,22 @@ def test_concurrent_clients_all_get_their_own_answer(llm, client):
     wait_until(lambda: _engine_idle(llm), what="an idle engine")
 
 
+def test_bench_load_fails_nothing_and_leaks_nothing(llm, url):
+    """bench.serve_bench's load, smaller: 8 shared-prefix requests, 4 at a time."""
+    import asyncio
+
+    from bench.serve_bench import prompts, run_load, summarize
+
+    texts = prompts(8, [100, 400], group_size=4, seed=0)
+    results, wall = asyncio.run(run_load(f"{url}/v1", "smollm2", texts, concurrency=4, rate=0,
+                                         max_tokens=4, max_seconds=300, api_key=KEY))
+    summary = summarize(results, wall)
+    assert summary["failed"] == 0, summary["errors"]
+    assert all(r.completion_tokens == 4 and len(r.itl_s) == 3 for r in results)
+    assert summary["ttft_p50_s"] > 0 and summary["itl_p99_s"] >= summary["itl_p50_s"]
+    wait_until(lambda: _engine_idle(llm), what="every block back")
+
+
 def test_readme_serve_command_serves_the_embedded_model():
     """`python -m launcher.serve serve.port=...` as the README gives it, in its own process."""
     [port] = subproc.free_ports(1)
