@@ -28,6 +28,7 @@ class Choice:
     index: int
     prompt: int  # which of the request's prompts
     prompt_ids: list[int]
+    params: SamplingParams
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
@@ -46,6 +47,7 @@ class Delta:
 
 
 log = logging.getLogger("serve")
+MAX_CHOICES = 256  # prompts x n in one request: more would bypass serve.max_queued
 # what /metrics shows of each engine replica, from LLM.cache_stats()
 REPLICA_STATS = ("blocks_used", "blocks_total", "requests_running", "requests_waiting",
                  "prefix_lookup_tokens", "prefix_hit_tokens")
@@ -63,7 +65,7 @@ class EngineHandler:
     async def completion(self, req: CompletionRequest) -> dict:
         """The whole response of a non-streamed completion."""
         start = time.perf_counter()
-        choices = await self._completion_choices(req)
+        choices = self._completion_choices(req)
         async for _ in self._run_all(req, choices, req.max_tokens == 0):
             pass  # each choice gathers its own text and tokens
         if req.logprobs is not None:
@@ -75,7 +77,7 @@ class EngineHandler:
     async def completion_chunks(self, req: CompletionRequest) -> AsyncIterator[dict]:
         """The chunks of a streamed completion; the last one holds `usage` (and timing)."""
         start, rid = time.perf_counter(), _request_id("cmpl")
-        choices = await self._completion_choices(req)
+        choices = self._completion_choices(req)
         if req.logprobs is not None:
             raise ServeError(400, "logprobs with stream=true is not supported; request the "
                              "log-probabilities without streaming", param="logprobs")
@@ -147,14 +149,23 @@ class EngineHandler:
         if self.down is not None:
             raise ServeError(503, self.down, "service_unavailable")
 
-    async def _completion_choices(self, req: CompletionRequest) -> list[Choice]:
+    def _completion_choices(self, req: CompletionRequest) -> list[Choice]:
+        """One per prompt and n, each checked (prompt, params, stops) before anything runs."""
         self._refuse_if_down()
         req.refuse_unknown()
         if req.max_tokens == 0 and not req.echo:
             raise ServeError(400, "max_tokens=0 generates nothing: use it with echo=true (to "
                              "score the prompt), or ask for at least 1 token", param="max_tokens")
-        ids = [self.llm.tokenize(p) for p in req.prompts()]
-        return [Choice(i * req.n + j, i, p) for i, p in enumerate(ids) for j in range(req.n)]
+        prompts = req.prompts()
+        if len(prompts) * req.n > MAX_CHOICES:
+            raise ServeError(400, f"{len(prompts)} prompts x n={req.n} is more than "
+                             f"{MAX_CHOICES} choices in one request; send several requests",
+                             param="prompt")
+        ids = [self.llm.tokenize(p) for p in prompts]
+        req.stop_strings()
+        params = [req.sampling_params(16, j) for j in range(req.n)]  # OpenAI's default: 16
+        return [Choice(i * req.n + j, i, p, params[j]) for i, p in enumerate(ids)
+                for j in range(req.n)]
 
     def _chat_choices(self, req: ChatRequest) -> list[Choice]:
         self._refuse_if_down()
@@ -169,7 +180,9 @@ class EngineHandler:
             raise ServeError(400, f"{self.model_name} has no chat template; use /v1/completions",
                              param="messages")
         ids = self.llm.tokenize(tokenizer.apply_chat_template(req.turns()))
-        return [Choice(j, 0, ids) for j in range(req.n)]
+        req.stop_strings()
+        return [Choice(j, 0, ids, req.sampling_params(self.llm.max_model_len, j))
+                for j in range(req.n)]
 
     async def _run_all(self, req: _Sampling, choices: list[Choice],
                        score_only: bool) -> AsyncIterator[Delta]:
@@ -179,9 +192,7 @@ class EngineHandler:
                 c.finish_reason = "length"
             return
         stops = req.stop_strings()
-        default = 16 if isinstance(req, CompletionRequest) else self.llm.max_model_len
-        runs = [self._run_one(c, req.sampling_params(default, c.index % req.n), stops)
-                for c in choices]
+        runs = [self._run_one(c, stops) for c in choices]
         try:
             async with aclosing(_merge(runs)) as deltas:
                 async for d in deltas:
@@ -190,10 +201,9 @@ class EngineHandler:
             self._on_rank_failure(e)
             raise ServeError(503, str(e), "service_unavailable") from None
 
-    async def _run_one(self, c: Choice, params: SamplingParams,
-                       stops: list[str]) -> AsyncIterator[Delta]:
+    async def _run_one(self, c: Choice, stops: list[str]) -> AsyncIterator[Delta]:
         text, last = TextStream(self.llm.tokenizer, stops), ""
-        async with aclosing(self.llm.stream_with_output(c.prompt_ids, params)) as items:
+        async with aclosing(self.llm.stream_with_output(c.prompt_ids, c.params)) as items:
             async for item in items:
                 if isinstance(item, GenerateOutput):
                     c.finish_reason, c.cached_tokens = item.finish_reason, item.cached_tokens

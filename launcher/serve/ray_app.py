@@ -67,10 +67,10 @@ class PrefixRouter:
 
     def pick(self, text: str) -> int:
         hashes = _block_hashes(text)
-        best, best_len = None, 0
-        for n, h in enumerate(hashes, 1):
+        best = None
+        for h in hashes:  # the deepest block known wins
             if h in self.owner:
-                best, best_len = self.owner[h], n
+                best = self.owner[h]
         if best is None:  # the least loaded; among equals, the next after the last so chosen
             n = len(self.engines)
             order = [(self.last_miss + 1 + k) % n for k in range(n)]
