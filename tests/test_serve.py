@@ -45,6 +45,30 @@ def _generate(llm, prompt, **params):
     return llm.generate([prompt], SamplingParams(**params))[0]
 
 
+def test_stream_with_output_ends_with_generate_s_output_and_counts_requests(llm):
+    """LLM.stream_with_output: the token ids, then the GenerateOutput that generate() gives;
+    cache_stats counts the request as running while it streams, and closing frees it."""
+    import asyncio
+
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    [want] = llm.generate([PROMPT], params)
+
+    async def main():
+        items = [x async for x in llm.stream_with_output(PROMPT, params)]
+        stream = llm.stream_with_output(PROMPT, SamplingParams(max_tokens=500, ignore_eos=True))
+        await anext(stream)
+        running_now = await asyncio.to_thread(llm.cache_stats)
+        await stream.aclose()
+        return items, running_now
+
+    items, running_now = asyncio.run(main())
+    *tokens, out = items
+    assert tokens == want.token_ids and out.token_ids == want.token_ids
+    assert out.finish_reason == "length" and out.text == want.text
+    assert running_now["requests_running"] + running_now["requests_waiting"] == 1
+    wait_until(lambda: _engine_idle(llm), what="the closed stream's request to end")
+
+
 def test_completion_and_chat_equal_generate(llm, client):
     want = _generate(llm, PROMPT, max_tokens=4, temperature=0.0)
     r = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=4, temperature=0)
