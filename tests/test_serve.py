@@ -210,7 +210,9 @@ def test_bad_requests_get_400_with_the_engine_message_and_never_500(llm, client,
                b'{"prompt": "x", "seed": -3}', b'{"prompt": "\\ud800"}',
                b'{"prompt": "x", "temperature": 1e-9}', b'{"prompt": "x", "echo": 1}',
                b'{"prompt": ["a", "b", "c"], "n": 100}',
-               b'{"prompt": "x", "stream": true, "echo": true, "temperature": -1}']
+               b'{"prompt": "x", "stream": true, "echo": true, "temperature": -1}',
+               b'{"prompt": "x", "temperature": NaN}',
+               b'{"prompt": "x", "stream_options": {"include_usage": "yes"}}']
     for body in hostile:
         r = httpx.post(f"{url}/v1/completions", content=body, headers=headers, timeout=60)
         assert 400 <= r.status_code < 500, (body, r.status_code, r.text)
