@@ -127,7 +127,7 @@ class LLM:
         """Each generated token id as soon as its step ends."""
         async with aclosing(self.stream_with_output(prompt, params)) as items:
             async for item in items:
-                if isinstance(item, int):
+                if not isinstance(item, GenerateOutput):
                     yield item
 
     async def stream_with_output(self, prompt: Prompt, params: SamplingParams | None = None
