@@ -46,6 +46,8 @@ def test_two_replicas_serve_the_same_tokens(ray_serve_url, smollm2_llm):
     assert streamed == want[0]
     with pytest.raises(openai.BadRequestError, match="temperature"):
         client.completions.create(model="smollm2", prompt=PROMPT, temperature=-1.0)
+    with pytest.raises(openai.BadRequestError, match="max_tokens=0"):  # refused by the server
+        client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=0)
     # both engines served (new prompts take turns among idle engines), and each one's blocks
     # came back
     m = metric_samples(ray_serve_url)

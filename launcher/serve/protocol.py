@@ -23,6 +23,9 @@ class ServeError(Exception):
         super().__init__(message)
         self.status, self.kind, self.code, self.param = status, kind, code, param
 
+    def __reduce__(self):  # crosses Ray Serve's process boundary with its status intact
+        return ServeError, (self.status, str(self), self.kind, self.code, self.param)
+
     def body(self) -> dict:
         return {"error": {"message": str(self), "type": self.kind, "param": self.param,
                           "code": self.code}}
