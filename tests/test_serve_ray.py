@@ -99,3 +99,39 @@ def test_a_killed_rank_gives_503_health_down_then_a_restart(ray_cluster):
         m = metric_samples(url)
         assert m["prefill:rank_failures_total{engine=0,model_name=smollm2}"] == 1
         assert m["prefill:engine_restarts_total{engine=0,model_name=smollm2}"] == 1
+
+
+def test_ray_job_submit_serves_on_the_cluster():
+    """The README's `ray job submit ... -- python -m launcher.serve serve.ray=true ...` on a
+    `ray start` head: the job deploys the app, which answers on the head's 127.0.0.1."""
+    import json
+    import uuid
+
+    from tests.test_launch import ray_head
+
+    [port] = subproc.free_ports(1)
+    ray_cli, job = str(subproc.BIN / "ray"), f"serve-test-{uuid.uuid4().hex[:8]}"
+    with ray_head(dashboard=True) as head:
+        submit = subproc.run(
+            [ray_cli, "job", "submit", "--no-wait", "--address", head.dashboard_url,
+             "--submission-id", job, "--working-dir", ".", "--runtime-env-json",
+             json.dumps({"excludes": [".venv", ".git", ".pytest_cache"]}), "--",
+             "python", "-m", "launcher.serve", "serve.ray=true", "serve.replicas=1",
+             "serve.replica_cpus=0.5", f"serve.port={port}"], timeout=180, env=head.env)
+        assert submit.returncode == 0, submit.explain()
+        url = f"http://127.0.0.1:{port}"
+
+        def healthy() -> bool:
+            try:
+                return httpx.get(f"{url}/health").status_code == 200
+            except httpx.TransportError:
+                return False
+        try:
+            wait_until(healthy, timeout=300, what="the job's Serve app")
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+            r = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=2,
+                                          temperature=0)
+            assert r.choices[0].text.startswith(" Paris")
+        finally:
+            subproc.run([ray_cli, "job", "stop", "--address", head.dashboard_url, job],
+                        timeout=120, env=head.env)
