@@ -9,7 +9,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import weakref
-from contextlib import contextmanager
+from contextlib import aclosing, contextmanager
 from typing import AsyncIterator, Iterator, Sequence as Seq
 
 from engine.config import EngineConfig
@@ -135,6 +135,15 @@ class LLM:
     async def stream(self, prompt: Prompt,
                      params: SamplingParams | None = None) -> AsyncIterator[int]:
         """Each generated token id as soon as its step ends."""
+        async with aclosing(self.stream_with_output(prompt, params)) as items:
+            async for item in items:
+                if not isinstance(item, GenerateOutput):
+                    yield item
+
+    async def stream_with_output(self, prompt: Prompt, params: SamplingParams | None = None
+                                 ) -> AsyncIterator[int | GenerateOutput]:
+        """`stream`'s token ids, then the request's GenerateOutput (finish reason, cached
+        tokens, TTFT) as the last item. Closing it early cancels the request, freeing its blocks."""
         [seq] = self._sequences([prompt], params)
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
 
@@ -149,7 +158,7 @@ class LLM:
         try:
             while (token := await queue.get()) is not None:
                 yield token
-            seq.future.result()  # a failed request raises here, after its last token
+            yield self._output(seq.future.result())  # a failed request raises here
         finally:
             if not seq.future.done():
                 self._core.cancel(seq)
@@ -312,6 +321,8 @@ def _replica_stats(r: Replica) -> dict:
     stats["kv_bytes_per_token_per_rank"] = [i.kv_bytes_per_token for i in r.rank_info]
     stats["kv_cache_bytes_per_rank"] = [i.kv_cache_bytes for i in r.rank_info]
     stats["preemptions"] = r.scheduler.num_preemptions
+    stats["requests_running"] = len(r.scheduler.running)
+    stats["requests_waiting"] = len(r.scheduler.waiting)
     return stats
 
 

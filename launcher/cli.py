@@ -5,7 +5,8 @@ import importlib
 import sys
 
 APPS = {"generate": "launcher.generate", "walkthrough": "launcher.walkthrough",
-        "bench": "launcher.bench", "score": "launcher.score", "disagg": "launcher.disagg"}
+        "bench": "launcher.bench", "score": "launcher.score", "disagg": "launcher.disagg",
+        "serve": "launcher.serve"}
 
 
 def main() -> None:

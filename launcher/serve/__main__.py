@@ -1,0 +1,3 @@
+from launcher.serve import main
+
+main()
