@@ -127,6 +127,8 @@ def tokens(report: Report, args) -> None:
         llm, startup = _engine(path, backend, False, 1024)
         with llm:
             [g] = llm.generate([ids], params)
+        if ON_CUDA:  # the next engine sizes its cache from the memory free then
+            torch.cuda.empty_cache()
         out[backend] = g.token_ids
         report.put(f"{backend}_tokens", {"tokens": g.token_ids, "startup_s": round(startup, 2)})
     same = next((i for i, (a, b) in enumerate(zip(out["torch"], out["triton"])) if a != b), None)
