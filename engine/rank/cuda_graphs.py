@@ -23,11 +23,11 @@ import torch
 
 from engine.batch import Batch
 from engine.rank.kv_cache import KVCache
-from engine.rank.padded_decode import PaddedDecode
+from engine.rank.padded_decode import PaddedDecode, padded_lists
 
 log = logging.getLogger("engine")
 DecodeFn = Callable[[torch.Tensor, torch.Tensor, PaddedDecode], torch.Tensor]
-FIELDS = ("ids", "positions", "slots", "lens")  # one value per row; then the table
+FIELDS = ("ids", "positions", "slots", "lens")  # one value per row (padded_lists); then the table
 
 
 def table_width(max_context: int, block_size: int) -> int:
@@ -46,16 +46,9 @@ def widths_up_to(max_model_len: int, block_size: int) -> list[int]:
 
 
 def padded_inputs(batch: Batch, rows: int, width: int) -> list[int]:
-    """The static buffer's contents: each field's `rows` values (padding rows repeat the last
-    row, so their K/V writes are that row's own) then the table, `rows` x `width` (columns past
-    a row's context hold block 0; the attention masks them)."""
-    pad = rows - batch.num_seqs
-    values = {"ids": batch.token_ids, "positions": batch.positions,
-              "slots": batch.slot_mapping, "lens": batch.context_lens}
-    out = [v for name in FIELDS for v in values[name] + values[name][-1:] * pad]
-    tables = [t[:width] + [0] * (width - len(t[:width])) for t in batch.block_tables]
-    tables += tables[-1:] * pad
-    return out + [b for t in tables for b in t]
+    """The static buffer's contents: padded_decode's padded integers, laid end to end in
+    FIELDS order, then the table."""
+    return [v for values in padded_lists(batch, rows, width).values() for v in values]
 
 
 @dataclass(slots=True)

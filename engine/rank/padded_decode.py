@@ -33,18 +33,24 @@ class PaddedDecode:
     kv_head_of_q: torch.Tensor  # [hq] the local KV head each local query head reads
 
 
+def padded_lists(batch: Batch, rows: int, width: int) -> dict[str, list[int]]:
+    """A decode step's integers (ids, positions, slots, lens, then the block table, `width`
+    columns: cut, or padded with block 0, which the attention masks), each padded to `rows` rows
+    by repeating the step's last row."""
+    pad = rows - batch.num_seqs
+    tables = [t[:width] + [0] * (width - len(t[:width])) for t in batch.block_tables]
+    lists = {"ids": batch.token_ids, "positions": batch.positions, "slots": batch.slot_mapping,
+             "lens": batch.context_lens, "table": [b for t in tables for b in t]}
+    return {name: values + values[-(len(values) // batch.num_seqs):] * pad
+            for name, values in lists.items()}
+
+
 def pad_decode_step(batch: Batch, cache: KVCache, kv_head_of_q: torch.Tensor, rows: int,
                     device: torch.device) -> tuple[torch.Tensor, torch.Tensor, PaddedDecode]:
     """(token ids, positions, PaddedDecode) of a decode step, each padded to `rows` rows."""
-    pad = rows - batch.num_seqs
     width = max(2, -(-max(batch.context_lens) // cache.block_size))
-    tables = [t[:width] + [0] * (width - len(t[:width])) for t in batch.block_tables]
-
-    lists = {"ids": batch.token_ids, "positions": batch.positions, "slots": batch.slot_mapping,
-             "lens": batch.context_lens, "table": [b for t in tables for b in t]}
     # one host->device copy for the whole step (pinned and non-blocking on CUDA)
-    t = pack_to_device({name: values + values[-(len(values) // batch.num_seqs):] * pad
-                        for name, values in lists.items()}, device)  # + the last row, repeated
+    t = pack_to_device(padded_lists(batch, rows, width), device)
     meta = PaddedDecode(cache, t["slots"], t["table"].view(rows, width), t["lens"], kv_head_of_q)
     return t["ids"], t["positions"], meta
 

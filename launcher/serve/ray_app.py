@@ -168,7 +168,7 @@ class Ingress:
 
 
 def build_ray_app(model: str, settings: dict, serve_cfg: DictConfig | dict):
-    """The Serve application: `serve_cfg.replicas` engine deployments behind the ingress."""
+    """The Serve application: `serve_cfg["replicas"]` engine deployments behind the ingress."""
     name = serve_cfg["model_name"] or model
     engines = [EngineDeployment.options(name=f"engine_{i}", num_replicas=1,
                                         ray_actor_options={"num_cpus": serve_cfg["replica_cpus"]})
