@@ -63,6 +63,6 @@ class StepResult:
     sample_s: float = 0.0  # rank 0's time choosing the tokens
     nonfinite_rows: list[int] = field(default_factory=list)  # logits rows holding NaN or Inf
     row_errors: dict[int, str] = field(default_factory=dict)  # rows whose sampling raised
-    score: object = None  # parallel.logprobs.LogprobRows for batch.score_indices, if any
+    score: object = None  # parallel.sharded_logprobs.LogprobRows for batch.score_indices, if any
     comm_total_s: float = 0.0  # collectives in flight, start to finish (>= collective_s)
     graph: str = ""  # the compiled graph that ran the step ("decode-4", "layers"); "" eager

@@ -180,7 +180,7 @@ class LLM:
         """A measured walk through this engine's prefill of `prompt` and one decode step: every
         op per layer per rank, the KV cache, the first token, the cache's savings, the TTFT."""
         from engine.observe.hardware import hardware as lookup
-        from engine.observe.walkthrough import run_walkthrough
+        from engine.observe.prefill_walk import run_walkthrough
 
         self._refuse_with_cp("walkthrough()")
         hw = lookup(hardware, self.config.device, self.config.torch_dtype)

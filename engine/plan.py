@@ -14,7 +14,7 @@ import torch
 from engine.config import DTYPES, EngineConfig
 from engine.errors import ConfigError
 from engine.loading.model_config import ModelConfig
-from engine.rank.cp_layout import max_held
+from parallel.cp_layout import max_held
 from parallel import comm
 from parallel.partition import HeadPartition, Range, even_ranges, partition_heads
 

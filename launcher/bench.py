@@ -17,8 +17,8 @@ from engine.loading.checkpoint import resolve_model
 from engine.observe.costs import forward_flops
 from engine.observe.hardware import hardware
 from engine.loading.synthetic import random_token_ids
-from launcher.app import boolean, hydra_app, integer
-from launcher.common import llm_from_config
+from launcher.hydra_main import boolean, hydra_app, integer
+from launcher.build_engine import llm_from_config
 
 
 
@@ -106,7 +106,7 @@ def _print(console: Console, r: dict) -> None:
 
 @hydra_app("bench")
 def main(cfg: DictConfig) -> None:
-    from launcher.plots import bench_plots
+    from report.plots import bench_plots
 
     console = Console() if sys.stdout.isatty() else Console(width=150)
     result = measure(cfg)

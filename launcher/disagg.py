@@ -18,8 +18,8 @@ from rich.table import Table
 
 from engine import LLM, SamplingParams
 from engine.loading.synthetic import random_token_ids
-from launcher.app import hydra_app, integer, number
-from launcher.common import engine_settings
+from launcher.hydra_main import hydra_app, integer, number
+from launcher.build_engine import engine_settings
 
 
 def _engine(cfg: DictConfig, group: DictConfig) -> LLM:

@@ -8,8 +8,8 @@ from rich.console import Console
 from rich.table import Table
 
 from engine import SamplingParams
-from launcher.app import boolean, hydra_app, text
-from launcher.common import llm_from_config
+from launcher.hydra_main import boolean, hydra_app, text
+from launcher.build_engine import llm_from_config
 
 
 def _prompt(cfg: DictConfig, llm, console: Console) -> str:

@@ -19,8 +19,8 @@ from pathlib import Path
 from omegaconf import DictConfig
 from tqdm import tqdm
 
-from launcher.app import BadSetting, boolean, hydra_app, integer
-from launcher.common import llm_from_config
+from launcher.hydra_main import BadSetting, boolean, hydra_app, integer
+from launcher.build_engine import llm_from_config
 
 
 class ScoreInputError(BadSetting):

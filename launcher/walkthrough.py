@@ -10,12 +10,12 @@ from omegaconf import DictConfig, OmegaConf
 from rich.console import Console
 
 from engine.observe.claims import check_claims
-from launcher.app import hydra_app, integer, text
-from launcher.common import llm_from_config
+from launcher.hydra_main import hydra_app, integer, text
+from launcher.build_engine import llm_from_config
 from launcher.document import document_prompt
-from launcher.html_report import write_html
-from launcher.report import parts, render
-from launcher.roofline import roofline_png
+from report.html_page import write_html
+from report.tables import parts, render
+from report.roofline import roofline_png
 from launcher.sweep import append_row, sweep_png, sweep_row
 
 

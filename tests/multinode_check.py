@@ -83,7 +83,7 @@ def _check_pinning(node_ids: list[str]) -> dict:
     """
     import ray
 
-    from parallel.rank_group import GroupOptions, RankGroup, RankGroupError
+    from parallel.ray.rank_group import GroupOptions, RankGroup, RankGroupError
 
     driver = ray.get_runtime_context().get_node_id()
     [node] = [n for n in node_ids if n != driver]

@@ -30,7 +30,7 @@ def _expected_positions(length: int, cp: int, c: int) -> list[int]:
 
 
 def test_balanced_split_by_hand():
-    from engine.rank import cp_layout
+    from parallel import cp_layout
 
     # 45 tokens, cp=2: chunks of 12, 11, 11, 11; rank 0 takes the first and the last
     assert cp_layout.prompt_chunks(45, 2, 0) == [(0, 12), (34, 45)]
@@ -183,7 +183,7 @@ def test_scoring_and_kv_export_are_refused_with_cp(ray_cluster, tiny_model_dir):
 
 def test_most_positions_one_rank_holds_by_brute_force():
     """max_held against every prompt length and every rank: never exceeded, often reached."""
-    from engine.rank import cp_layout
+    from parallel import cp_layout
 
     for cp in (2, 3, 4):
         reached = 0

@@ -111,7 +111,7 @@ def test_warm_up_tunes_every_token_bucket(runs):
     """The first Triton engine in the process tunes the flash prefill once per token bucket a
     step can fall in (max_num_batched_tokens 8192: buckets 16 .. 16384), every tile of the
     search space in each."""
-    from engine.rank.kernels.config import PREFILL_TUNE_SPACE, TUNE_TOKEN_BUCKETS
+    from engine.rank.kernels.launch_config import PREFILL_TUNE_SPACE, TUNE_TOKEN_BUCKETS
 
     benches = _ok(runs, "triton-tp1-rank0")["build"]["autotune_benches"]
     assert len(benches) == len(TUNE_TOKEN_BUCKETS) * len(PREFILL_TUNE_SPACE)

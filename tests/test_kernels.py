@@ -1,5 +1,5 @@
 """Triton kernels against their torch references and the engine's own torch paths
-(engine.rank.attention.torch_attention, engine.rank.model.RMSNorm, engine.rank.rope.RotaryEmbedding): compiled on
+(engine.rank.attention.torch_attention, engine.rank.model.RMSNorm, engine.rank.rotary.RotaryEmbedding): compiled on
 a CUDA GPU when there is one, else under the CPU interpreter.
 
 Shapes are tiny on purpose: the interpreter costs about a millisecond per program instance.
@@ -23,7 +23,7 @@ from engine.rank.kernels import (decode_attention, flash_attention, kv_store, rm
                             silu_mul)
 from engine.rank.kv_cache import KVCache
 from engine.loading.model_config import ModelConfig
-from engine.rank.rope import RotaryEmbedding
+from engine.rank.rotary import RotaryEmbedding
 
 # error allowed (absolute and relative), per dtype. bf16 keeps 8 significant bits, and the
 # interpreter casts fp32 -> bf16 by truncation where torch and the GPU round to nearest, so bf16

@@ -144,7 +144,7 @@ def test_hydra_keys_reach_the_engine_settings():
     from hydra import compose, initialize_config_dir
 
     from engine.config import EngineConfig
-    from launcher.common import CONF_DIR, engine_settings
+    from launcher.build_engine import CONF_DIR, engine_settings
 
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
         defaults = engine_settings(compose("generate"))

@@ -11,7 +11,7 @@ import ray
 import torch
 import torch.distributed as dist
 
-from parallel.rank_group import GroupOptions, RankGroup, RankGroupError
+from parallel.ray.rank_group import GroupOptions, RankGroup, RankGroupError
 
 # Ray workers cannot import this test module by name (pytest put tests/ on the driver's path
 # only), so the toy workers below travel by value.

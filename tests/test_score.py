@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine import LLM, InvalidRequestError
-from parallel.logprobs import TILE_BYTES, tile_shape, vocab_parallel_logprobs
+from parallel.sharded_logprobs import TILE_BYTES, tile_shape, vocab_parallel_logprobs
 from tests.reference import hf_model
 
 
@@ -186,7 +186,7 @@ def test_sliding_window_matches_plain_torch(tiny_model_dir, stride):
 def test_score_app_writes_one_line_per_document(tiny_model_dir, tmp_path):
     from hydra import compose, initialize_config_dir
 
-    from launcher.common import CONF_DIR
+    from launcher.build_engine import CONF_DIR
     from launcher.score import run
 
     docs = [{"id": "a", "prompt": _ids(30, 301, 1)}, {"id": "b", "prompt": _ids(3, 301, 2)}]
@@ -240,7 +240,7 @@ def test_scheduler_packs_scored_rows_beside_a_sampling_prompt():
     from engine.driver.scheduler import Scheduler
     from engine.driver.scoring import ScoreRequest
     from engine.driver.sequence import Sequence
-    from parallel.logprobs import LogprobRows
+    from parallel.sharded_logprobs import LogprobRows
 
     sched = Scheduler(BlockManager(32, 4), max_num_batched_tokens=8, max_num_seqs=8,
                       max_model_len=64, eos_token_ids=[2])
@@ -303,7 +303,7 @@ def test_prefill_score_command_line(tiny_model_dir, tmp_path):
 def _score_cfg(tmp_path, src, *overrides, model="/no/such/model"):
     from hydra import compose, initialize_config_dir
 
-    from launcher.common import CONF_DIR
+    from launcher.build_engine import CONF_DIR
 
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
         return compose("score", [f"input={src}", f"output={tmp_path / 'scores.jsonl'}",
@@ -320,7 +320,7 @@ def _score_cfg(tmp_path, src, *overrides, model="/no/such/model"):
 def test_score_app_bad_keys_are_refused_before_the_model_loads(tmp_path, overrides, needle):
     """The model path does not exist: each key is refused before anything loads (a missing
     output directory once failed only after every document was scored)."""
-    from launcher.app import BadSetting
+    from launcher.hydra_main import BadSetting
     from launcher.score import run
 
     src = tmp_path / "docs.txt"

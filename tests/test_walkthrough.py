@@ -57,7 +57,7 @@ def _cfg(llm: LLM) -> dict:
 
 
 def test_smollm2_counts_match_hand_count(smollm2_llm):
-    from engine.observe.walkthrough import run_walkthrough
+    from engine.observe.prefill_walk import run_walkthrough
 
     prompt = "The KV cache holds the keys and values of every prompt position."
     report = run_walkthrough(smollm2_llm, prompt, HW, decode_tokens=2)
@@ -74,7 +74,7 @@ def test_smollm2_counts_match_hand_count(smollm2_llm):
 
 @pytest.mark.parametrize("name", ["qwen2", "llama"])
 def test_tiny_model_counts_match_hand_count(tiny_model_dir, name):
-    from engine.observe.walkthrough import run_walkthrough
+    from engine.observe.prefill_walk import run_walkthrough
 
     with LLM(str(tiny_model_dir(name))) as llm:
         ids = list(range(3, 3 + 40))
@@ -92,7 +92,7 @@ def test_tiny_model_counts_match_hand_count(tiny_model_dir, name):
 
 def test_cache_versus_recompute_counts_n_times_more_compute(tiny_model_dir):
     from engine.observe.costs import forward_flops
-    from engine.observe.walkthrough import run_walkthrough
+    from engine.observe.prefill_walk import run_walkthrough
 
     with LLM(str(tiny_model_dir("qwen2"))) as llm:
         ids, n = list(range(3, 3 + 60)), 6
@@ -105,7 +105,7 @@ def test_cache_versus_recompute_counts_n_times_more_compute(tiny_model_dir):
 
 
 def test_tp2_shapes_follow_the_head_partition(ray_cluster, tiny_model_dir):
-    from engine.observe.walkthrough import run_walkthrough
+    from engine.observe.prefill_walk import run_walkthrough
 
     with LLM(str(tiny_model_dir("uneven")), tp=2) as llm:
         ids = list(range(3, 3 + 20))
@@ -132,7 +132,7 @@ def test_app_writes_json_trace_and_roofline(tmp_path, tiny_model_dir):
     from hydra import compose, initialize_config_dir
     from rich.console import Console
 
-    from launcher.common import CONF_DIR
+    from launcher.build_engine import CONF_DIR
     from launcher.walkthrough import run
 
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
@@ -158,7 +158,7 @@ def test_bench_app_appends_results_and_draws_plots(tmp_path, tiny_model_dir):
     from hydra import compose, initialize_config_dir
 
     from launcher.bench import main as bench_main
-    from launcher.common import CONF_DIR
+    from launcher.build_engine import CONF_DIR
 
     results = tmp_path / "results.jsonl"
     for length in (16, 32):
@@ -187,7 +187,7 @@ def test_report_shows_exposed_and_total_communication(ray_cluster, tmp_path, tin
     from hydra import compose, initialize_config_dir
     from rich.console import Console
 
-    from launcher.common import CONF_DIR
+    from launcher.build_engine import CONF_DIR
     from launcher.walkthrough import run
 
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):

@@ -33,7 +33,7 @@ def _claims(report) -> dict[str, dict]:
 
 
 def test_smollm2_2048_tokens_prefill_compute_bound_decode_memory_bound(smollm2_llm):
-    from engine.observe.walkthrough import run_walkthrough
+    from engine.observe.prefill_walk import run_walkthrough
     from launcher.document import document_prompt
 
     ids, _ = document_prompt(smollm2_llm.tokenizer, 2048)
@@ -60,7 +60,7 @@ def test_smollm2_2048_tokens_prefill_compute_bound_decode_memory_bound(smollm2_l
 
 
 def test_a_12_token_prompt_does_not_reach_100_flop_per_byte(smollm2_llm):
-    from engine.observe.walkthrough import run_walkthrough
+    from engine.observe.prefill_walk import run_walkthrough
 
     ids = smollm2_llm.tokenizer.encode("The capital of France is Paris. The capital of Germany is")
     assert len(ids) == 12
@@ -121,7 +121,7 @@ class _Page(HTMLParser):
 def _compose(overrides: list[str]):
     from hydra import compose, initialize_config_dir
 
-    from launcher.common import CONF_DIR
+    from launcher.build_engine import CONF_DIR
 
     with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
         return compose("walkthrough", overrides=overrides)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from engine.driver.sequence import Sequence
-from engine.rank.cp_layout import max_held
+from parallel.cp_layout import max_held
 
 HashFn = Callable[[int | None, tuple[int, ...]], int]
 

@@ -111,7 +111,7 @@ class RayExecutor(Executor):
     each rank building its own `Worker` from the plan; a broken group raises `RankFailure`."""
 
     def __init__(self, plan: EnginePlan, cfg: EngineConfig, nodes: list[str] | None):
-        from parallel.rank_group import GroupOptions, RankGroup
+        from parallel.ray.rank_group import GroupOptions, RankGroup
 
         self._plan, self._cfg, self._nodes = plan, cfg, nodes
         ifname = cfg.socket_ifname
@@ -151,7 +151,7 @@ def connect_if_needed(cfg: EngineConfig) -> None:
     """Join or start the Ray cluster the ranks will need, from the calling thread (Ray installs
     its signal handlers only from the main thread)."""
     if uses_ray(cfg):
-        from parallel import cluster
+        from parallel.ray import cluster
 
         cluster.connect(cfg.ray_address)
 
@@ -160,7 +160,7 @@ def make_executors(plan: EnginePlan, cfg: EngineConfig, checkpoint: Checkpoint) 
     """One executor per data-parallel replica (Ray already joined: `connect_if_needed`)."""
     if not uses_ray(cfg):
         return [InProcessExecutor(plan, checkpoint)]
-    from parallel import cluster
+    from parallel.ray import cluster
 
     try:
         nodes = cluster.plan_replicas(cfg.dp, cfg.tp, cfg.device, cfg.cpus_per_rank, cfg.cp)

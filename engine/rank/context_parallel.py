@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.rank import cp_layout as L
+from parallel import cp_layout as L
 from parallel import context as cpc
 from parallel.ring import Segment, lse_merge, partial_attention, ring_attention
 

@@ -7,7 +7,7 @@ import dataclasses
 import torch
 
 from engine.batch import Batch, StepResult
-from engine.rank import cp_layout as L
+from parallel import cp_layout as L
 from engine.rank.attention import StepContext
 from engine.rank.backend import Backend
 from engine.rank.context_parallel import build_local_step, cp_attention, cp_kv_store

@@ -14,7 +14,7 @@ from engine.plan import ShardPlan
 from engine.rank.attention import KVStore, PagedAttention, StepContext
 from engine.rank.backend import TORCH, Backend
 from engine.rank.overlap import SplitContext, run_layers_split
-from engine.rank.rope import RotaryEmbedding
+from engine.rank.rotary import RotaryEmbedding
 from parallel.layers import (ColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
                              RowParallelLinear, TensorReader, VocabParallelEmbedding,
                              copy_checked)

@@ -21,14 +21,14 @@ from engine.rank.backend import select_backend
 from engine.rank.compiled import CompiledModel, warm_up
 from engine.rank.decode_weights import DecodeWeights
 from engine.rank.host_memory import keep_freed_memory
-from engine.rank.kernels.config import tuning_steps
+from engine.rank.kernels.launch_config import tuning_steps
 from engine.rank.kernels.step_metadata import build_step_metadata
 from engine.rank.kv_cache import KVCache
 from engine.rank.model import CausalLM
 from engine.rank.cp_runner import ContextParallelRunner, context_parallel_backend
 from engine.rank.overlap import make_split_context
 from engine.rank.sampler import sample
-from engine.rank.scoring import score_batch
+from engine.rank.prompt_logprobs import score_batch
 from parallel import comm
 from parallel.context import make_groups
 

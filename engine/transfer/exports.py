@@ -42,8 +42,8 @@ class ExportTable:
 
     def export(self, seqs: list[Sequence], fingerprint: ModelFingerprint) -> list[KVHandle]:
         """Handles for finished, pinned sequences (their blocks are unpinned if this fails)."""
-        from parallel import cluster
-        from parallel.leases import start_lease_table
+        from parallel.ray import cluster
+        from parallel.ray.leases import start_lease_table
 
         try:
             cluster.connect(self._address)  # an in-process rank publishes into the object store too

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hydra
 from omegaconf import DictConfig
 
-from launcher.common import CONF_DIR, engine_settings, llm_from_config
+from launcher.build_engine import CONF_DIR, engine_settings, llm_from_config
 
 
 def serve_local(cfg: DictConfig) -> None:

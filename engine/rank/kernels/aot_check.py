@@ -23,7 +23,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from engine.rank.kernels import decode_attention, flash_attention, kv_store  # noqa: E402
-from engine.rank.kernels.config import GPU_DEFAULTS, PREFILL_TUNE_SPACE  # noqa: E402
+from engine.rank.kernels.launch_config import GPU_DEFAULTS, PREFILL_TUNE_SPACE  # noqa: E402
 
 H100_SHARED_LIMIT = 232448  # bytes of shared memory one block may use on sm_90
 

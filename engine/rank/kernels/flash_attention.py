@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from engine.rank.attention import AttentionMetadata
-from engine.rank.kernels.config import (GPU_DEFAULTS, PREFILL_TUNE_SPACE, KernelDefaults,
+from engine.rank.kernels.launch_config import (GPU_DEFAULTS, PREFILL_TUNE_SPACE, KernelDefaults,
                                         tune_bucket)
 from engine.rank.kernels.interpreter import needs_fp32_dot
 from engine.rank.kernels.online_softmax import LOG2E, dot_precision, fold_tile

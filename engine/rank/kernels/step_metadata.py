@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.rank.kernels.config import KernelDefaults, defaults_for, sm_count
+from engine.rank.kernels.launch_config import KernelDefaults, defaults_for, sm_count
 
 # no triton import here: the worker may build step metadata for the torch backend too, and
 # importing triton before TRITON_INTERPRET is set would fix the interpreter off for the process

@@ -7,7 +7,7 @@ import torch
 
 from engine.batch import Batch
 from parallel.gemm import linear
-from parallel.logprobs import LogprobRows, vocab_parallel_logprobs
+from parallel.sharded_logprobs import LogprobRows, vocab_parallel_logprobs
 
 
 @torch.inference_mode()

@@ -1,5 +1,5 @@
 """A walkthrough as numbered parts (heading, lines, a table, a plot), built once from the report's
-dict and rendered twice: rich tables in the terminal here, an HTML page in launcher/html_report.py."""
+dict and rendered twice: rich tables in the terminal here, an HTML page in report/html_page.py."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -9,7 +9,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from engine.observe.hardware import roofline_side
-from engine.observe.walkthrough import WalkthroughReport, ops_by_name
+from engine.observe.prefill_walk import WalkthroughReport, ops_by_name
 
 PIECES_SHOWN = (32, 8)  # a long prompt shows its first and last pieces; the JSON has them all
 

@@ -17,7 +17,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from engine.errors import ConfigError, InvalidRequestError, ModelLoadError
-from launcher.common import CONF_DIR
+from launcher.build_engine import CONF_DIR
 
 USAGE_ERROR = 2
 

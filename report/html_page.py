@@ -7,7 +7,7 @@ import html
 import json
 from pathlib import Path
 
-from launcher.report import Part
+from report.tables import Part
 
 PERFETTO = "https://ui.perfetto.dev"
 STYLE = """

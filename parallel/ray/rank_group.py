@@ -29,7 +29,7 @@ from ray.util.placement_group import NODE_ID_LABEL_KEY, placement_group, remove_
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from parallel import comm
-from parallel.rank_waits import PendingCall, _Outcome, gather as _gather
+from parallel.ray.rank_waits import PendingCall, _Outcome, gather as _gather
 
 # Closing is a courtesy before the kill: a rank that does not answer this fast is killed anyway.
 _CLOSE_TIMEOUT_S = 5.0
