@@ -1,5 +1,5 @@
 """The CPU choices the engine makes, measured side by side on this machine: the projections
-through torch's default matmul (`F.linear`, MKL on x86) against oneDNN (`parallel.gemm`), and
+through torch's default matmul (`F.linear`, MKL on x86) against oneDNN (`engine.rank.gemm`), and
 a prompt's causal attention through torch's SDPA (its CPU flash kernel, grouped KV heads
 shared with `enable_gqa`) against the engine's blocked attention (engine/rank/blocked_attention,
 which the engine uses for bf16 prompts). SmolLM2-135M's shapes (hidden 576, FFN 1536, 9 query /
@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from bench.common import machine
 from engine.rank.blocked_attention import blocked_causal_attention
-from parallel.gemm import linear, onednn_linear
+from engine.rank.gemm import linear, onednn_linear
 
 PROJECTIONS = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
@@ -53,7 +53,7 @@ def projections(rows: int, dtype: torch.dtype, repeats: int) -> dict[str, float]
 def compiled_decode_rows(rows: int, repeats: int) -> dict[str, float]:
     """float32 decode rows (30 layers of distinct weights) inside one compiled graph: oneDNN's
     inner product as an opaque op against the multiply-and-sum inductor streams
-    (parallel.gemm takes the latter for graphs of at most MATVEC_ROWS fixed rows)."""
+    (engine.rank.gemm takes the latter for graphs of at most MATVEC_ROWS fixed rows)."""
     weights = [torch.randn(shape) for _ in range(30) for shape in PROJECTIONS]
     inputs = {k: torch.randn(rows, k) for k in (576, 1536)}
     flops = sum(2 * rows * w.numel() for w in weights)

@@ -32,7 +32,7 @@ import triton  # noqa: E402
 
 from engine.rank.kernels import triton_attention, triton_decode_attention  # noqa: E402
 from engine.rank.kernels.flash_attention import _flash_prefill_tuned  # noqa: E402
-from engine.rank.kernels.step_metadata import build_step_metadata  # noqa: E402
+from engine.rank.step_metadata import build_step_metadata  # noqa: E402
 from engine.rank.kv_cache import KVCache  # noqa: E402
 
 HEADS, KV_HEADS, BLOCK_SIZE = 32, 8, 16

@@ -1,8 +1,4 @@
-"""Process groups and the few collectives the sharded layers need.
-
-Every function works for a world of one (no process group at all), so the single-rank engine
-runs exactly the same layer code as a tensor-parallel one.
-"""
+"""Process groups and the few collectives the sharded layers need (`TensorGroup`)."""
 from __future__ import annotations
 
 import datetime
@@ -93,69 +89,109 @@ def device_event(x: torch.Tensor):
     return event
 
 
-CLOCK = CollectiveClock()  # one per process, i.e. one per rank
-
-
 def is_cuda(device: str | torch.device) -> bool:
     """The one test of "does this run on a GPU" that the whole code base uses."""
     return str(device).startswith("cuda")
 
 
-# The tensor-parallel sub-group of this rank when a replica also splits by context (cp > 1);
-# None: the whole process group is the tensor-parallel group. Every collective below uses it.
-_TP_GROUP = None
+class TensorGroup:
+    """A rank's tensor-parallel group, the collectives the sharded layers run over it, and the
+    clock of their time. Every method works for a world of one (no process group at all), so
+    the single-rank engine runs exactly the same layer code as a tensor-parallel one.
 
+    `group`: a sub-group from dist.new_group (a replica that also splits by context), or None:
+    the whole process group. Each rank builds one and hands it to every layer of its model."""
 
-def set_tensor_group(group) -> None:
-    """Make `group` (from dist.new_group) the one the layers' collectives run over."""
-    global _TP_GROUP
-    _TP_GROUP = group
+    def __init__(self, group=None):
+        self.group = group
+        self.clock = CollectiveClock()
+        self._name: str | None = None
 
+    def world_size(self) -> int:
+        return dist.get_world_size(self.group) if dist.is_initialized() else 1
 
-def world_size() -> int:
-    """Ranks in this rank's tensor-parallel group."""
-    return dist.get_world_size(_TP_GROUP) if dist.is_initialized() else 1
+    def rank(self) -> int:
+        return dist.get_rank(self.group) if dist.is_initialized() else 0
 
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """Sum over ranks, in place. A no-op for a world of one."""
+        if self.world_size() > 1:
+            start, event = time.perf_counter(), device_event(x)
+            dist.all_reduce(x, group=self.group)
+            self._add_blocking(start, event, x)
+        return x
 
-def rank() -> int:
-    """This rank's index in its tensor-parallel group."""
-    return dist.get_rank(_TP_GROUP) if dist.is_initialized() else 0
+    def all_reduce_in_graph(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum over ranks into a new tensor, as a custom op a compiled graph can hold (an
+        op there may not hand back its own input); it finds this group by its name."""
+        if self.world_size() == 1:
+            return x
+        if self._name is None:
+            self._name = _register(self)
+        return all_reduce_copy(x, self._name)
 
+    def _add_blocking(self, start: float, event, x: torch.Tensor) -> None:
+        """A blocking collective begun at host time `start` (and CUDA event `event`) ended."""
+        if event is None:
+            self.clock.add_since(start)
+        else:  # the compute stream waited on it from the start: all of it is exposed
+            self.clock.add_device_span(event, event, device_event(x))
 
-def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """Sum over ranks, in place. A no-op for a world of one."""
-    if world_size() > 1:
+    def all_reduce_async(self, x: torch.Tensor) -> PendingAllReduce:
+        """Start a sum over ranks in place and return at once (gloo runs it on its own
+        threads, NCCL on its own stream); the caller computes something else, then waits."""
+        if self.world_size() == 1:
+            return PendingAllReduce(x, None, 0.0, self.clock)
         start, event = time.perf_counter(), device_event(x)
-        dist.all_reduce(x, group=_TP_GROUP)
-        _add_blocking(start, event, x)
-    return x
+        work = dist.all_reduce(x, group=self.group, async_op=True)
+        return PendingAllReduce(x, work, start, self.clock, event)
+
+    def gather_last_dim(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor | None:
+        """Concatenate each rank's slice of the last dim on rank 0 (None elsewhere). Slices
+        may be uneven (`sizes[r]` columns on rank r): padded to the largest for the collective
+        and trimmed after."""
+        if self.world_size() == 1:
+            return x
+        width = max(sizes)
+        padded = torch.nn.functional.pad(x, (0, width - x.shape[-1])).contiguous()
+        first = self.rank() == 0
+        parts = [torch.empty_like(padded) for _ in sizes] if first else None
+        start, event = time.perf_counter(), device_event(padded)
+        dist.gather(padded, parts, group=self.group, group_dst=0)
+        self._add_blocking(start, event, padded)
+        if not first:
+            return None
+        return torch.cat([p[..., :n] for p, n in zip(parts, sizes)], dim=-1)
 
 
-def _add_blocking(start: float, event, x: torch.Tensor) -> None:
-    """A blocking collective begun at host time `start` (and CUDA event `event`) has ended."""
-    if event is None:
-        CLOCK.add_since(start)
-    else:  # the compute stream waited on it from the start: all of it is exposed
-        CLOCK.add_device_span(event, event, device_event(x))
+# the groups compiled graphs reach by name (a custom op takes strings, not objects); a
+# registry of process groups like torch.distributed's own, written once per group
+_BY_NAME: dict[str, TensorGroup] = {}
+
+
+def _register(group: TensorGroup) -> str:
+    name = f"tp{len(_BY_NAME)}"
+    _BY_NAME[name] = group
+    return name
 
 
 @torch.library.custom_op("prefill::all_reduce", mutates_args=())
-def all_reduce_copy(x: torch.Tensor) -> torch.Tensor:
-    """The sum over ranks into a new tensor: the form a compiled graph can hold (an op there
-    may not hand back its own input)."""
-    return all_reduce(x.clone())
+def all_reduce_copy(x: torch.Tensor, group: str) -> torch.Tensor:
+    return _BY_NAME[group].all_reduce(x.clone())
 
 
 @all_reduce_copy.register_fake
-def _(x: torch.Tensor) -> torch.Tensor:
+def _(x: torch.Tensor, group: str) -> torch.Tensor:
     return torch.empty_like(x)
 
 
 class PendingAllReduce:
     """An all-reduce in flight; `wait()` returns the summed tensor (the same storage)."""
 
-    def __init__(self, x: torch.Tensor, work, start: float, start_event=None):
+    def __init__(self, x: torch.Tensor, work, start: float, clock: CollectiveClock,
+                 start_event=None):
         self.x, self._work, self._start, self._start_event = x, work, start, start_event
+        self._clock = clock
         self._done_at: float | None = None
         if work is not None and start_event is None:
             # the completion time, taken on the communication thread, measures the flight
@@ -170,49 +206,20 @@ class PendingAllReduce:
         if self._start_event is not None:  # CUDA: the compute stream's wait is the exposed part
             before = device_event(self.x)
             self._work.wait()
-            CLOCK.add_device_span(self._start_event, before, device_event(self.x))
+            self._clock.add_device_span(self._start_event, before, device_event(self.x))
             self._work = None
             return self.x
         before = time.perf_counter()
         self._work.wait()
         after = time.perf_counter()
-        CLOCK.seconds += after - before
+        self._clock.seconds += after - before
         # the callback may not have run yet when wait() returns: then "now" bounds it
-        CLOCK.busy_seconds += (self._done_at or after) - self._start
+        self._clock.busy_seconds += (self._done_at or after) - self._start
         self._work = None
         return self.x
 
 
-def all_reduce_async(x: torch.Tensor) -> PendingAllReduce:
-    """Start a sum over ranks in place and return at once (gloo runs it on its own threads,
-    NCCL on its own stream); the caller computes something else, then `wait()`s."""
-    if world_size() == 1:
-        return PendingAllReduce(x, None, 0.0)
-    start, event = time.perf_counter(), device_event(x)
-    return PendingAllReduce(x, dist.all_reduce(x, group=_TP_GROUP, async_op=True), start, event)
-
-
-def gather_last_dim(x: torch.Tensor, sizes: list[int]) -> torch.Tensor | None:
-    """Concatenate each rank's slice of the last dim on rank 0 (None elsewhere).
-
-    Slices may be uneven (`sizes[r]` columns on rank r): they are padded to the largest for the
-    collective and trimmed after.
-    """
-    if world_size() == 1:
-        return x
-    width = max(sizes)
-    padded = torch.nn.functional.pad(x, (0, width - x.shape[-1])).contiguous()
-    parts = [torch.empty_like(padded) for _ in sizes] if rank() == 0 else None
-    start, event = time.perf_counter(), device_event(padded)
-    dist.gather(padded, parts, group=_TP_GROUP, group_dst=0)
-    _add_blocking(start, event, padded)
-    if rank() != 0:
-        return None
-    return torch.cat([p[..., :n] for p, n in zip(parts, sizes)], dim=-1)
-
-
 def destroy() -> None:
-    set_tensor_group(None)  # its sub-groups go with the process group
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -22,8 +22,13 @@ class Groups:
     cp: int
     tp_rank: int
     cp_rank: int
-    tp_group: object  # dist ProcessGroup
-    cp_group: object
+    tensor: comm.TensorGroup  # the layers' collectives, over this rank's TP sub-group
+    cp_group: object  # dist ProcessGroup
+
+    @property
+    def clock(self) -> comm.CollectiveClock:
+        """The rank's one collective clock (its tensor group's), which CP collectives add to."""
+        return self.tensor.clock
 
 
 def rank_layout(rank: int, tp: int) -> tuple[int, int]:
@@ -33,20 +38,20 @@ def rank_layout(rank: int, tp: int) -> tuple[int, int]:
 
 def make_groups(tp: int, cp: int) -> Groups:
     """Every rank creates every sub-group (torch.distributed requires all ranks to take part in
-    each new_group, in the same order), then keeps its own two; the layers' collectives are
-    pointed at the tensor-parallel one."""
+    each new_group, in the same order), then keeps its own two; the layers' collectives run
+    over the tensor-parallel one (`Groups.tensor`)."""
     me = dist.get_rank()
     if dist.get_world_size() != tp * cp:
         raise ValueError(f"a group of {dist.get_world_size()} ranks cannot be tp={tp} x cp={cp}")
     tp_groups = [dist.new_group([c * tp + t for t in range(tp)]) for c in range(cp)]
     cp_groups = [dist.new_group([c * tp + t for c in range(cp)]) for t in range(tp)]
     cp_rank, tp_rank = rank_layout(me, tp)
-    groups = Groups(tp, cp, tp_rank, cp_rank, tp_groups[cp_rank], cp_groups[tp_rank])
-    comm.set_tensor_group(groups.tp_group)
-    return groups
+    return Groups(tp, cp, tp_rank, cp_rank, comm.TensorGroup(tp_groups[cp_rank]),
+                  cp_groups[tp_rank])
 
 
-def all_gather_rows(x: torch.Tensor, counts: list[int], group) -> list[torch.Tensor]:
+def all_gather_rows(x: torch.Tensor, counts: list[int], group,
+                    clock: comm.CollectiveClock) -> list[torch.Tensor]:
     """Every context rank's rows of `x` (rank r holds counts[r] rows; this rank's x has its
     own count), padded to the largest for the collective and trimmed after."""
     width = max(counts)
@@ -55,11 +60,12 @@ def all_gather_rows(x: torch.Tensor, counts: list[int], group) -> list[torch.Ten
     parts = [torch.empty_like(padded) for _ in counts]
     start = time.perf_counter()
     dist.all_gather(parts, padded, group=group)
-    comm.CLOCK.add_since(start)
+    clock.add_since(start)
     return [p[:n] for p, n in zip(parts, counts)]
 
 
-def gather_rows_to_first(x: torch.Tensor, counts: list[int], group) -> list[torch.Tensor] | None:
+def gather_rows_to_first(x: torch.Tensor, counts: list[int], group,
+                         clock: comm.CollectiveClock) -> list[torch.Tensor] | None:
     """Every context rank's rows on the group's first rank (None on the others)."""
     width = max(counts)
     padded = torch.zeros((width, *x.shape[1:]), dtype=x.dtype, device=x.device)
@@ -68,5 +74,5 @@ def gather_rows_to_first(x: torch.Tensor, counts: list[int], group) -> list[torc
     parts = [torch.empty_like(padded) for _ in counts] if first else None
     start = time.perf_counter()
     dist.gather(padded, parts, group=group, group_dst=0)
-    comm.CLOCK.add_since(start)
+    clock.add_since(start)
     return [p[:n] for p, n in zip(parts, counts)] if first else None

@@ -13,10 +13,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from parallel import comm
-from parallel.gemm import linear
+from parallel.comm import TensorGroup
 from parallel.partition import HeadPartition, Range, range_times
 
 # (name, dim, start, stop) -> that slice of the named checkpoint tensor; dim None reads it whole.
+# y = x Wᵀ (+ b): the product every projection runs, chosen by the engine per device
+Matmul = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
 TensorReader = Callable[[str, int | None, int, int], torch.Tensor]
 
 
@@ -32,27 +34,31 @@ def _frozen(*shape: int) -> nn.Parameter:
 
 
 class AllReduce(nn.Module):
-    """Sum over ranks, in place; nothing to do for a world of one. With `async_op` the sum is
-    started and a `comm.PendingAllReduce` returned, to `wait()` on after other work."""
+    """Sum over the group's ranks, in place; nothing to do for a world of one. With `async_op`
+    the sum is started and a `comm.PendingAllReduce` returned, to `wait()` on after other work."""
+
+    def __init__(self, tp: TensorGroup):
+        super().__init__()
+        self.tp = tp
 
     def forward(self, x: torch.Tensor,
                 async_op: bool = False) -> torch.Tensor | comm.PendingAllReduce:
         if async_op:
-            return comm.all_reduce_async(x)
+            return self.tp.all_reduce_async(x)
         if torch.compiler.is_compiling():
-            return comm.all_reduce_copy(x) if comm.world_size() > 1 else x
-        return comm.all_reduce(x)
+            return self.tp.all_reduce_in_graph(x)
+        return self.tp.all_reduce(x)
 
 
 class GatherToRankZero(nn.Module):
     """Every rank's slice of the last dim, concatenated on rank 0 (None on the others)."""
 
-    def __init__(self, sizes: Sequence[int]):
+    def __init__(self, sizes: Sequence[int], tp: TensorGroup):
         super().__init__()
-        self.sizes = list(sizes)
+        self.sizes, self.tp = list(sizes), tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | None:
-        return comm.gather_last_dim(x, self.sizes)
+        return self.tp.gather_last_dim(x, self.sizes)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -62,8 +68,10 @@ class ColumnParallelLinear(nn.Module):
     rank's row range of the i-th tensor, and the local weight is their concatenation.
     """
 
-    def __init__(self, in_features: int, out_slices: Sequence[Range], bias: bool = False):
+    def __init__(self, in_features: int, out_slices: Sequence[Range], bias: bool = False,
+                 matmul: Matmul = F.linear):
         super().__init__()
+        self.matmul = matmul
         self.out_slices = list(out_slices)
         out = sum(b - a for a, b in self.out_slices)
         self.weight = _frozen(out, in_features)
@@ -77,15 +85,16 @@ class ColumnParallelLinear(nn.Module):
             copy_checked(self.bias, torch.cat(parts), f"{names[0]}.bias")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        return self.matmul(x, self.weight, self.bias)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
     """Fused q/k/v projection holding this rank's query heads and the KV heads they read."""
 
-    def __init__(self, hidden: int, head_dim: int, heads: HeadPartition, bias: bool):
+    def __init__(self, hidden: int, head_dim: int, heads: HeadPartition, bias: bool,
+                 matmul: Matmul = F.linear):
         kv = range_times(heads.kv_heads, head_dim)
-        super().__init__(hidden, [range_times(heads.q_heads, head_dim), kv, kv], bias)
+        super().__init__(hidden, [range_times(heads.q_heads, head_dim), kv, kv], bias, matmul)
         self.q_size = heads.num_q_heads * head_dim
         self.kv_size = heads.num_kv_heads * head_dim
 
@@ -96,12 +105,14 @@ class QKVParallelLinear(ColumnParallelLinear):
 class RowParallelLinear(nn.Module):
     """y = x Wᵀ with W's input columns split over ranks, then a sum over ranks (all-reduce)."""
 
-    def __init__(self, in_slice: Range, out_features: int, bias: bool = False):
+    def __init__(self, in_slice: Range, out_features: int, tp: TensorGroup, bias: bool = False,
+                 matmul: Matmul = F.linear):
         super().__init__()
+        self.matmul = matmul
         self.in_slice = in_slice
         self.weight = _frozen(out_features, in_slice[1] - in_slice[0])
         self.bias = _frozen(out_features) if bias else None
-        self.all_reduce = AllReduce()
+        self.all_reduce = AllReduce(tp)
 
     def load(self, read: TensorReader, name: str) -> None:
         copy_checked(self.weight, read(f"{name}.weight", 1, *self.in_slice), f"{name}.weight")
@@ -110,16 +121,14 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor,
                 async_op: bool = False) -> torch.Tensor | RowParallelInFlight:
+        """`async_op`: the all-reduce started, not awaited; `.wait()` gives what the call
+        would have (through the module call, so hooks such as the tracer see both ops)."""
         if async_op:
-            return RowParallelInFlight(self.all_reduce(linear(x, self.weight), async_op=True),
+            return RowParallelInFlight(self.all_reduce(self.matmul(x, self.weight, None),
+                                                       async_op=True),
                                        self.bias)
-        y = self.all_reduce(linear(x, self.weight))
+        y = self.all_reduce(self.matmul(x, self.weight, None))
         return y if self.bias is None else y + self.bias
-
-    def start(self, x: torch.Tensor) -> RowParallelInFlight:
-        """The local matmul, its all-reduce started and not awaited: `.wait()` gives what
-        calling the layer gives. Through the module call, so hooks (the tracer) see both ops."""
-        return self(x, async_op=True)
 
 
 class RowParallelInFlight:
@@ -137,17 +146,17 @@ class VocabParallelEmbedding(nn.Module):
     """Each rank holds the rows of a slice of the vocabulary; ids outside it contribute zeros,
     and the all-reduce assembles every token's row."""
 
-    def __init__(self, vocab_slice: Range, hidden: int):
+    def __init__(self, vocab_slice: Range, hidden: int, tp: TensorGroup):
         super().__init__()
         self.vocab_slice = vocab_slice
         self.weight = _frozen(vocab_slice[1] - vocab_slice[0], hidden)
-        self.all_reduce = AllReduce()
+        self.all_reduce = AllReduce(tp)
 
     def load(self, read: TensorReader, name: str) -> None:
         copy_checked(self.weight, read(f"{name}.weight", 0, *self.vocab_slice), f"{name}.weight")
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if comm.world_size() == 1:
+        if self.all_reduce.tp.world_size() == 1:
             return F.embedding(ids, self.weight)
         start, stop = self.vocab_slice
         inside = (ids >= start) & (ids < stop)
@@ -158,9 +167,10 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(nn.Module):
     """Logits for this rank's vocabulary slice, gathered to the full vocabulary on rank 0."""
 
-    def __init__(self, vocab_ranges: Sequence[Range], rank: int, hidden: int,
-                 tied_to: VocabParallelEmbedding | None = None):
+    def __init__(self, vocab_ranges: Sequence[Range], rank: int, hidden: int, tp: TensorGroup,
+                 tied_to: VocabParallelEmbedding | None = None, matmul: Matmul = F.linear):
         super().__init__()
+        self.matmul = matmul
         self.vocab_ranges = list(vocab_ranges)
         self.vocab_slice = self.vocab_ranges[rank]
         self.tied = tied_to is not None
@@ -168,7 +178,7 @@ class ParallelLMHead(nn.Module):
             self.weight = tied_to.weight  # same rows, same memory
         else:
             self.weight = _frozen(self.vocab_slice[1] - self.vocab_slice[0], hidden)
-        self.gather = GatherToRankZero([b - a for a, b in self.vocab_ranges])
+        self.gather = GatherToRankZero([b - a for a, b in self.vocab_ranges], tp)
 
     def load(self, read: TensorReader, name: str) -> None:
         if not self.tied:
@@ -180,4 +190,4 @@ class ParallelLMHead(nn.Module):
 
     def local(self, hidden: torch.Tensor) -> torch.Tensor:
         """This rank's slice of the logits [n, vocab slice], before the gather."""
-        return linear(hidden, self.weight)
+        return self.matmul(hidden, self.weight, None)

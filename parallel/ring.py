@@ -93,7 +93,7 @@ Segment = tuple[int, int, int, int]
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    segments: list[list[Segment]], kv_head_of_q: torch.Tensor, scale: float,
-                   me: int, group) -> torch.Tensor:
+                   me: int, group, clock: comm.CollectiveClock) -> torch.Tensor:
     """Causal attention of this rank's prompt queries over every rank's prompt keys.
 
     segments[r]: the chunks rank r holds (every rank knows them all from the batch). Chunks of
@@ -112,7 +112,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         if step + 1 < cp:  # the next chunk travels while this one is attended
             begin = time.perf_counter()
             pending, incoming = _exchange(chunk, me, cp, group)
-            comm.CLOCK.busy_seconds += time.perf_counter() - begin
+            clock.busy_seconds += time.perf_counter() - begin
         for prompt, qa, qb, qrow in segments[me]:
             rows = slice(qrow, qrow + qb - qa)
             for other, ka, kb, krow in segments[src]:
@@ -126,6 +126,6 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             begin = time.perf_counter()
             for work in pending:
                 work.wait()
-            comm.CLOCK.add_since(begin)  # the wait is exposed; the flight overlapped compute
+            clock.add_since(begin)  # the wait is exposed; the flight overlapped compute
             chunk = incoming
     return out.to(q.dtype)

@@ -52,15 +52,17 @@ def tile_shape(num_rows: int, local_vocab: int, tile_bytes: int = TILE_BYTES) ->
 
 
 def vocab_parallel_logprobs(local_logits: LogitsTile, num_rows: int, targets: torch.Tensor,
-                            vocab_slice: Range, top_k: int = 0,
-                            tile_bytes: int = TILE_BYTES) -> LogprobRows:
+                            vocab_slice: Range, top_k: int = 0, tile_bytes: int = TILE_BYTES,
+                            tp: comm.TensorGroup | None = None) -> LogprobRows:
     """log p(targets[i]) for rows 0..num_rows-1 of logits whose vocabulary is split over ranks.
 
     `local_logits(a, b, c, e)` returns rows a..b-1, local columns c..e-1 of this rank's logits
     (any float dtype, a fresh tensor: it is overwritten). `vocab_slice` is the [start, stop) of
     vocabulary ids this rank holds. Every rank must call this with the same rows, targets and
-    top_k (the collectives pair up across ranks); top-k comes back on rank 0 only.
+    top_k (the collectives pair up across ranks, over `tp`: None, a world of one); top-k comes
+    back on rank 0 only.
     """
+    tp = tp or comm.TensorGroup()
     start, stop = vocab_slice
     rows, cols = tile_shape(num_rows, stop - start, tile_bytes)
     out = LogprobRows(torch.empty(0))
@@ -69,10 +71,10 @@ def vocab_parallel_logprobs(local_logits: LogitsTile, num_rows: int, targets: to
         b = min(num_rows, a + rows)
         lse, tgt, top = _local_pass(local_logits, a, b, cols, targets[a:b], vocab_slice, top_k,
                                     out)
-        lse, tgt = _global_lse(lse, tgt)
+        lse, tgt = _global_lse(lse, tgt, tp)
         logprobs.append(tgt - lse)
         if top_k:
-            ids, lps = _merge_top_k(*top, top_k)
+            ids, lps = _merge_top_k(*top, top_k, tp)
             if ids is not None:
                 top_ids.append(ids)
                 top_lps.append(lps - lse.unsqueeze(-1))
@@ -123,22 +125,23 @@ def _running_top_k(top, tile: torch.Tensor, k: int, first_id: int):
     return values, ids
 
 
-def _global_lse(lse: torch.Tensor, tgt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _global_lse(lse: torch.Tensor, tgt: torch.Tensor,
+                tp: comm.TensorGroup) -> tuple[torch.Tensor, torch.Tensor]:
     """Every rank's log-sum-exp merged into the whole vocabulary's, and the target's logit from
     its owner (zero elsewhere, so a sum picks it): one all-reduce."""
-    world, rank = comm.world_size(), comm.rank()
+    world, rank = tp.world_size(), tp.rank()
     # rows [0, W): each rank's log-sum-exp (its max + log of its sum of exps); W: target logit
     parts = torch.zeros(world + 1, len(lse), device=lse.device)
     parts[rank], parts[world] = lse, tgt
-    comm.all_reduce(parts)
+    tp.all_reduce(parts)
     return torch.logsumexp(parts[:world], dim=0), parts[world]
 
 
-def _merge_top_k(values: torch.Tensor, ids: torch.Tensor, k: int):
+def _merge_top_k(values: torch.Tensor, ids: torch.Tensor, k: int, tp: comm.TensorGroup):
     """Rank 0 merges every rank's k best into the global k best (None, None elsewhere)."""
-    world = comm.world_size()
-    all_values = comm.gather_last_dim(values.contiguous(), [k] * world)
-    all_ids = comm.gather_last_dim(ids.contiguous(), [k] * world)
+    world = tp.world_size()
+    all_values = tp.gather_last_dim(values.contiguous(), [k] * world)
+    all_ids = tp.gather_last_dim(ids.contiguous(), [k] * world)
     if all_values is None:
         return None, None
     best, where = all_values.topk(k, dim=-1)

@@ -97,13 +97,12 @@ GRAPH_STEPS = [(37, 2), (140, 3), (5, 1), (37, 9)]  # (context before, sequences
 
 def run_cuda_graphs(model_dir: str, rec: Recorder) -> dict:
     """A compiled rank's decode CUDA graphs: captured for every bucket and width, then decode
-    steps through CompiledModel.decode_logits. Its decode function runs as its eager self here
+    steps through CompiledModel.decode_context and decode_logits. Its decode function runs as its eager self here
     (compiling for CUDA needs a GPU); everything around it is the engine's own."""
     from engine.config import EngineConfig
     from engine.loading.checkpoint import open_checkpoint
     from engine.plan import make_plan
     from engine.rank import compiled as compiled_mod
-    from engine.rank.backend import TORCH
     from engine.rank.worker import Worker
 
     cfg = EngineConfig.from_kwargs(model=model_dir, device="cuda", compile=False,
@@ -111,10 +110,10 @@ def run_cuda_graphs(model_dir: str, rec: Recorder) -> dict:
                                    max_model_len=256)
     ckpt = open_checkpoint(model_dir)
     worker = Worker(make_plan(cfg, model_dir, ckpt.config), checkpoint=ckpt)
-    model = compiled_mod.CompiledModel(worker.model, TORCH)
+    model = compiled_mod.CompiledModel(worker.model)
     model._decode = compiled_mod._decode  # the graph's function, uncompiled
     mark = rec.mark()
-    model.capture_decode_graphs(worker.cache, worker.kv_head_of_q_device, 256)
+    model.capture_decode_graphs(worker.cache, worker.kv_head_of_q_device, 256, False)
     graphs = model.cuda_graphs
     out = {"capture": {**_events(rec, mark), "events": [e.kind for e in rec.since(mark)]},
            "captured": sorted(graphs.graphs), "usable": graphs.usable,
@@ -124,7 +123,9 @@ def run_cuda_graphs(model_dir: str, rec: Recorder) -> dict:
         batch = make_batch(1, start, seqs)
         rows = model.decode_bucket(seqs)  # None: more rows than any graph, an eager step
         mark = rec.mark()
-        logits = (model.decode_logits(batch, worker.cache, worker.kv_head_of_q_device, rows)
+        logits = (model.decode_logits(model.decode_context(batch, worker.cache,
+                                                           worker.kv_head_of_q_device, rows,
+                                                           False))
                   if rows is not None else None)
         step = _events(rec, mark)
         step.update(seqs=seqs, context=start + 1, rows=rows,
@@ -134,8 +135,8 @@ def run_cuda_graphs(model_dir: str, rec: Recorder) -> dict:
         out["replays"].append(step)
     graphs.usable = False  # as after a failed capture: every step runs the uncaptured graph
     mark = rec.mark()
-    logits = model.decode_logits(make_batch(1, 37, 2), worker.cache,
-                                 worker.kv_head_of_q_device, 2)
+    logits = model.decode_logits(model.decode_context(make_batch(1, 37, 2), worker.cache,
+                                                      worker.kv_head_of_q_device, 2, False))
     out["uncaptured"] = {"graph_replays": len(rec.since(mark, "cuda:graph.replay")),
                          "logits_shape": list(logits.shape), **_events(rec, mark)}
     return out

@@ -30,14 +30,13 @@ def test_padding_repeats_the_last_row_and_masks_the_table_with_block_zero():
 
 
 def test_a_failed_capture_leaves_every_step_to_the_uncaptured_graph(caplog):
-    """Here capturing fails at once (no CUDA): no graph is kept, replay answers None (the
-    caller runs the compiled graph), and one warning says so."""
+    """Here capturing fails at once (no CUDA): no graph is kept, no step finds one (the caller
+    runs the uncaptured compiled graph), and one warning says so."""
     cache = KVCache(1, 4, 16, 1, 8, torch.float32, "cpu")
     calls = []
-    graphs = DecodeGraphs(lambda *a: calls.append(a), cache, torch.zeros(1, dtype=torch.long),
-                          torch.device("cpu"))
+    graphs = DecodeGraphs(lambda *a: calls.append(a), cache, torch.zeros(1, dtype=torch.long))
     with caplog.at_level("WARNING", logger="engine"):
         graphs.capture([1, 2], [2])
     assert not graphs.usable and graphs.graphs == {}
-    assert graphs.replay(_decode_batch(), 2) is None
+    assert graphs.load(_decode_batch(), 2) is None
     assert "CUDA graph capture failed" in caplog.text

@@ -130,8 +130,9 @@ def test_cuda_graphs_capture_every_bucket_and_width_in_one_go(runs):
 
 
 def test_decode_steps_replay_into_their_graphs_static_inputs(runs, tiny_model_dir):
-    """Each decode step (CompiledModel.decode_logits) fills the static buffer of the graph for
-    (its row bucket, the power of two >= its table width) with one pinned copy and replays it;
+    """Each decode step (CompiledModel.decode_context) fills the static buffer of the graph for
+    (its row bucket, the power of two >= its table width) with one pinned copy, and
+    decode_logits replays it (every row of the bucket: the worker keeps the sampled ones);
     9 sequences are more than the largest bucket: the worker runs them eagerly."""
     from tests.fake_cuda_run import GRAPH_STEPS
 
@@ -146,7 +147,7 @@ def test_decode_steps_replay_into_their_graphs_static_inputs(runs, tiny_model_di
         assert step["graph_replays"] == 1
         assert step["into"] == [run["input_buffers"][expected[(start, seqs)]]]
         assert step["h2d"][0]["pinned"] and step["h2d"][0]["non_blocking"]
-        assert step["logits_shape"] == [seqs, vocab]
+        assert step["logits_shape"] == [int(expected[(start, seqs)].split("x")[0]), vocab]
 
 
 def test_without_graphs_decode_runs_the_uncaptured_graph(runs):

@@ -1,4 +1,4 @@
-"""parallel.gemm.linear: the model's projections through oneDNN on a CPU, checked against a
+"""engine.rank.gemm.linear: the model's projections through oneDNN on a CPU, checked against a
 float64 matmul, eager and compiled, and the plain torch path where oneDNN cannot run."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from parallel import gemm
+from engine.rank import gemm
 
 
 def _reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:

@@ -18,7 +18,8 @@ import pytest
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from engine.rank.attention import AttentionMetadata, torch_attention
+from engine.rank.attention import torch_attention
+from engine.rank.step_metadata import StepMetadata, build_step_metadata
 from engine.rank.kernels import (decode_attention, flash_attention, kv_store, rmsnorm, rope,
                             silu_mul)
 from engine.rank.kv_cache import KVCache
@@ -76,7 +77,7 @@ class PagedCase:
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
-    meta: AttentionMetadata
+    meta: StepMetadata
     caches: list[KVCache]  # identical copies, one per implementation under comparison
 
 
@@ -94,8 +95,7 @@ def _paged_case(q_lens: list[int], context_lens: list[int], kv_head_of_q: list[i
         slots += [table[p // block_size] * block_size + p % block_size
                   for p in range(ctx - q_len, ctx)]
         cu.append(cu[-1] + q_len)
-    meta = AttentionMetadata(cu, context_lens, tables, torch.tensor(slots, device=DEVICE),
-                             torch.tensor(kv_head_of_q, device=DEVICE))
+    meta = build_step_metadata(cu, context_lens, tables, slots, kv_head_of_q, DEVICE)
     layers = 2
     init = torch.randn(2, layers, num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
     caches = []

@@ -11,7 +11,7 @@ from tests.test_kernels import DEVICE, _close, _paged_case, _store_new_kv  # set
 
 from engine.rank.attention import torch_attention  # noqa: E402
 from engine.rank.kernels import launch_config as config, decode_attention, flash_attention  # noqa: E402
-from engine.rank.kernels.step_metadata import build_step_metadata, split_length  # noqa: E402
+from engine.rank.step_metadata import build_step_metadata, split_length  # noqa: E402
 
 GPU = config.GPU_DEFAULTS
 

@@ -1,4 +1,4 @@
-"""Per-step metadata (engine.rank.kernels.step_metadata): built once per step, read by every
+"""Per-step metadata (engine.rank.step_metadata): built once per step, read by every
 layer with no host work; and offsets past 2**31 elements in the KV cache."""
 import os
 import sys
@@ -8,10 +8,10 @@ import torch
 
 from tests.test_kernels import DEVICE, _close, _paged_case  # sets TRITON_INTERPRET first
 
-from engine.rank.attention import AttentionMetadata, torch_attention  # noqa: E402
+from engine.rank.attention import torch_attention  # noqa: E402
 from engine.rank.backend import select_backend  # noqa: E402
 from engine.rank.kernels import flash_attention, kv_store  # noqa: E402
-from engine.rank.kernels.step_metadata import build_step_metadata  # noqa: E402
+from engine.rank.step_metadata import build_step_metadata  # noqa: E402
 from engine.rank.kv_cache import KVCache  # noqa: E402
 
 
@@ -64,10 +64,11 @@ def _layers(c, meta, num_layers: int, scale: float, backend: str = "triton") -> 
     """What the model does with attention in each layer: store the new K/V, then attend, through
     one of the engine's backends."""
     backend = select_backend(backend, DEVICE)
+    attention = backend.decode_attention if meta.is_decode else backend.attention
     outs = []
     for layer in range(num_layers):
         backend.kv_store(c.caches[0], layer, c.k, c.v, meta.slot_mapping)
-        outs.append(backend.attention(layer, c.q, c.k, c.v, c.caches[0], meta, scale))
+        outs.append(attention(layer, c.q, c.k, c.v, c.caches[0], meta, scale))
     return outs
 
 
@@ -77,19 +78,16 @@ def test_no_host_tensors_per_layer(host_calls, decode, backend):
     q_lens = [1, 1, 1] if decode else [6, 20, 1]
     c = _paged_case(q_lens, [9, 40, 3], [0, 0, 1, 1], 2, 32, torch.float32, 4)
     m, scale, num_layers = c.meta, 32 ** -0.5, 2
-    step = build_step_metadata(m.cu_seqlens_q, m.context_lens, m.block_tables,
-                               m.slot_mapping.tolist(), m.kv_head_of_q.tolist(), DEVICE)
+    args = (m.cu_seqlens_q, m.context_lens, m.block_tables, m.slot_mapping.tolist(),
+            m.kv_head_of_q.tolist(), DEVICE)
+    step = build_step_metadata(*args)
     host_calls.clear()  # building the step's metadata is the one place they are allowed
     outs = _layers(c, step, num_layers, scale, backend)
     assert host_calls == []
-    # the old way (an AttentionMetadata per call) rebuilds them in every layer: the count sees it
-    old = _layers(c, AttentionMetadata(m.cu_seqlens_q, m.context_lens, m.block_tables,
-                                       m.slot_mapping, m.kv_head_of_q), num_layers, scale, backend)
-    assert len(host_calls) >= num_layers
-    for layer, (out, out_old) in enumerate(zip(outs, old)):
-        ref = torch_attention(layer, c.q, c.k, c.v, c.caches[0], c.meta, scale)
-        _close(out, ref)
-        _close(out_old, ref)
+    build_step_metadata(*args)  # the counter does see host tensors where they are made
+    assert host_calls
+    for layer, out in enumerate(outs):
+        _close(out, torch_attention(layer, c.q, c.k, c.v, c.caches[0], c.meta, scale))
 
 
 def _huge_cache(num_blocks: int, block_size: int, kv_heads: int, head_dim: int) -> KVCache:
@@ -129,28 +127,12 @@ def test_offsets_past_2_31():
     _close(out, ref.transpose(0, 1).to(torch.float16))
 
 
-def test_torch_backend_takes_step_metadata():
-    """A StepMetadata stands wherever an AttentionMetadata does (the worker may pass it to
-    either backend): the torch backend stores and attends identically with it."""
-    c = _paged_case([6, 20, 1], [9, 40, 3], [0, 0, 1, 1], 2, 32, torch.float32, 4, copies=2)
-    m, scale = c.meta, 32 ** -0.5
-    step = build_step_metadata(m.cu_seqlens_q, m.context_lens, m.block_tables,
-                               m.slot_mapping.tolist(), m.kv_head_of_q.tolist(), DEVICE)
-    torch_backend = select_backend("torch", "cpu")
-    outs = []
-    for cache, meta in zip(c.caches, (step, m)):
-        torch_backend.kv_store(cache, 0, c.k, c.v, meta.slot_mapping)
-        outs.append(torch_backend.attention(0, c.q, c.k, c.v, cache, meta, scale))
-    assert torch.equal(c.caches[0].data, c.caches[1].data)
-    assert torch.equal(outs[0], outs[1])
-
-
 def test_step_metadata_does_not_import_triton():
     """The worker may build step metadata before deciding on (or without) the Triton backend;
     importing triton then would fix TRITON_INTERPRET off for the whole process."""
     import subprocess
 
-    code = ("import sys; import engine.rank.kernels.step_metadata; "
+    code = ("import sys; import engine.rank.step_metadata; "
             "sys.exit(1 if 'triton' in sys.modules else 0)")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     assert subprocess.run([sys.executable, "-c", code], cwd=root).returncode == 0

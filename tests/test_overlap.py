@@ -10,7 +10,7 @@ import torch
 
 from engine import LLM, ConfigError, SamplingParams
 from engine.loading.synthetic import random_token_ids as _ids
-from engine.rank.overlap import SplitContext, split_step
+from engine.rank.overlap import split_step, with_halves
 
 PROMPTS = [(45, 3), (17, 4), (30, 5)]  # (length, seed): nothing divides evenly
 
@@ -42,21 +42,40 @@ def worker(tiny_model_dir, request):
     return Worker(make_plan(cfg, path, ckpt.config), checkpoint=ckpt)
 
 
+def _batch(ids, positions, cu, lens, tables, slot_mapping):
+    from engine.batch import Batch
+
+    return Batch(ids, positions, cu, lens, slot_mapping, tables, list(range(len(ids))))
+
+
+def _context(worker, batch):
+    """The step's plain (unsplit, eager) context, as the worker builds it."""
+    from engine.rank.step_context import PREFILL, StepContext
+    from engine.rank.step_metadata import build_step_metadata
+
+    meta = build_step_metadata(batch.cu_seqlens_q, batch.context_lens, batch.block_tables,
+                               batch.slot_mapping, worker.kv_head_of_q, worker.device,
+                               uniform_groups=worker.uniform_groups)
+    return StepContext(PREFILL, torch.tensor(batch.token_ids), torch.tensor(batch.positions),
+                       None, worker.cache, meta, worker.backend.step_ops(decode=False))
+
+
+def _logits(worker, ctx):
+    """Every row's logits of the step `ctx`."""
+    with torch.inference_mode():
+        x, residual = worker.model(ctx)
+    return worker.model.logits(x, residual, torch.arange(len(x)))
+
+
 def _step_inputs(worker):
     """Step 2 of a chunked prefill: prompt A's last 8 tokens (12 cached in step 1, blocks 1-2),
     all 9 of prompt B (block 3) and one decode token of C at position 6 (block 4, cached 0-5)."""
-    from engine.rank.attention import StepContext
-    from engine.rank.kernels.step_metadata import build_step_metadata
-
     bs = worker.plan.block_size
     a, b, c = _ids(20, 301, 1), _ids(9, 301, 2), _ids(7, 301, 3)
     slots = lambda block, lo, hi: [block * bs + p for p in range(lo, hi)]  # noqa: E731
 
-    def run(ids, positions, cu, lens, tables, slot_mapping):
-        meta = build_step_metadata(cu, lens, tables, slot_mapping, worker.kv_head_of_q,
-                                   worker.device, uniform_groups=worker.uniform_groups)
-        worker.model(torch.tensor(ids), torch.tensor(positions), StepContext(worker.cache, meta),
-                     torch.tensor([len(ids) - 1]))
+    def run(*step):
+        _logits(worker, _context(worker, _batch(*step)))
 
     blocks_a = [1, 2] if bs < 20 else [1]
     block_of = lambda p: blocks_a[p // bs]  # noqa: E731
@@ -73,24 +92,14 @@ def _step_inputs(worker):
 
 def test_split_forward_matches_unsplit_at_every_split(worker):
     """One rank (no communication): only the split and its metadata are under test."""
-    from engine.rank.attention import StepContext
-    from engine.rank.kernels.step_metadata import build_step_metadata
-
-    ids, positions, cu, lens, tables, slot_mapping = _step_inputs(worker)
-    tokens, pos, rows = torch.tensor(ids), torch.tensor(positions), torch.arange(len(ids))
-
-    def meta(cu_, lens_, tables_, slots_):
-        return build_step_metadata(cu_, lens_, tables_, slots_, worker.kv_head_of_q,
-                                   worker.device, uniform_groups=worker.uniform_groups)
-
-    whole = worker.model(tokens, pos, StepContext(worker.cache, meta(cu, lens, tables,
-                                                                     slot_mapping)), rows)
+    batch = _batch(*_step_inputs(worker))
+    whole = _logits(worker, _context(worker, batch))
     # every split on torch; on the (slow) interpreter: in a prompt, on a boundary, the decode
-    splits = range(1, len(ids)) if worker.plan.backend == "torch" else (3, 8, 12, 17)
+    splits = range(1, batch.num_tokens) if worker.plan.backend == "torch" else (3, 8, 12, 17)
     for split in splits:
-        halves = split_step(cu, lens, tables, slot_mapping, split)
-        ctx = SplitContext(split, tuple(StepContext(worker.cache, meta(*h)) for h in halves))
-        got = worker.model(tokens, pos, ctx, rows)
+        ctx = with_halves(_context(worker, batch), batch, worker.kv_head_of_q,
+                          worker.uniform_groups, split)
+        got = _logits(worker, ctx)
         assert (got - whole).abs().max().item() <= 1e-5, f"split at row {split}"
 
 

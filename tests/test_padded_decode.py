@@ -36,7 +36,7 @@ def test_attention_matches_formula(kv_head_of_q, compiled):
     # blocks out of order and shared; contexts of 1, a whole number of blocks, and ragged
     tables, lengths = [[7, 2, 9], [3], [5, 11, 0, 4]], [10, 1, 16]
     width = 4
-    meta = PaddedDecode(cache, torch.zeros(3, dtype=torch.long),
+    meta = PaddedDecode(torch.zeros(3, dtype=torch.long),
                         torch.tensor([t + [0] * (width - len(t)) for t in tables]),
                         torch.tensor(lengths), torch.tensor(kv_head_of_q))
     q = torch.randn(3, len(kv_head_of_q), D, generator=gen)
@@ -53,14 +53,16 @@ def test_padding_repeats_the_last_row():
     cache = KVCache(1, 16, BLOCK, HKV, D, torch.float32, "cpu")
     batch = Batch([11, 12, 13], [4, 0, 9], [0, 1, 2, 3], [5, 1, 10], [21, 40, 37],
                   [[5, 1], [10], [8, 3, 9]], [0, 1, 2])
-    ids, positions, meta = pad_decode_step(batch, cache, torch.tensor([0, 1]), 8, torch.device("cpu"))
+    ctx = pad_decode_step(batch, cache, torch.tensor([0, 1]), 8)
+    ids, positions, meta = ctx.token_ids, ctx.positions, ctx.meta
+    assert ctx.graph == "decode-8" and ctx.cache is cache
     assert ids.tolist() == [11, 12, 13] + [13] * 5
     assert positions.tolist() == [4, 0, 9] + [9] * 5
     assert meta.slot_mapping.tolist() == [21, 40, 37] + [37] * 5
     assert meta.context_lens.tolist() == [5, 1, 10] + [10] * 5
     assert meta.block_table.tolist()[:3] == [[5, 1, 0], [10, 0, 0], [8, 3, 9]]
     one = Batch([1], [0], [0, 1], [1], [4], [[1]], [0])
-    assert pad_decode_step(one, cache, torch.tensor([0, 1]), 1, torch.device("cpu"))[2].block_table.shape == (1, 2)
+    assert pad_decode_step(one, cache, torch.tensor([0, 1]), 1).meta.block_table.shape == (1, 2)
 
 
 def test_store_op_writes_in_place():

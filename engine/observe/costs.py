@@ -11,7 +11,6 @@ from __future__ import annotations
 import torch
 
 from engine.loading.model_config import ModelConfig
-from parallel import comm
 
 
 def nbytes(*tensors: torch.Tensor) -> int:
@@ -54,17 +53,17 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor):
             nbytes(ids) + 2 * len(ids) * row_bytes)
 
 
-def all_reduce(x: torch.Tensor):
+def all_reduce(x: torch.Tensor, w: int):
     """Ring all-reduce of n elements over w ranks: each rank does (w-1)·n/w additions and sends
     and receives 2(w-1)/w of the tensor's bytes."""
-    w, n = comm.world_size(), x.numel()
+    n = x.numel()
     return shape(x), (w - 1) * n // w, 2 * (w - 1) * n * x.element_size() // w
 
 
-def gather_to_rank_zero(x: torch.Tensor, sizes: list[int]):
+def gather_to_rank_zero(x: torch.Tensor, sizes: list[int], rank: int):
     """Slices padded to the widest; rank 0 receives every rank's slice, the others send one."""
     part = x.numel() // x.shape[-1] * max(sizes) * x.element_size()
-    return shape(x), 0, part * (len(sizes) if comm.rank() == 0 else 1)
+    return shape(x), 0, part * (len(sizes) if rank == 0 else 1)
 
 
 def rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor):
@@ -126,9 +125,9 @@ def op_cost(op: str, module: torch.nn.Module, args: tuple) -> tuple[str, int, in
     if op == "silu_mul":
         return silu_mul(args[0])
     if op == "all_reduce":
-        return all_reduce(args[0])
+        return all_reduce(args[0], module.tp.world_size())
     if op == "gather_logits":
-        return gather_to_rank_zero(args[0], module.sizes)
+        return gather_to_rank_zero(args[0], module.sizes, module.tp.rank())
     if op == "sample":
         return sample(args[0])
     raise KeyError(f"no cost formula for op {op!r}")

@@ -8,7 +8,7 @@ import torch
 
 from engine.errors import ConfigError
 
-from parallel.gemm import linear
+from engine.rank.gemm import linear
 
 # dense bf16 tensor-core FLOP/s and HBM bandwidth from the vendors' spec sheets
 SPECS = {
@@ -56,7 +56,7 @@ def best_seconds(fn, repeats: int = 5) -> float:
 
 def measure(device: str, dtype: torch.dtype) -> Hardware:
     """A short matmul and a large copy on this device, in the model's dtype. The matmul goes
-    through the library the model's projections use (`parallel.gemm.linear`), so the peak is
+    through the library the model's projections use (`engine.rank.gemm.linear`), so the peak is
     the one the engine can reach."""
     n = 1024 if device == "cpu" else 8192
     a = torch.randn(n, n, device=device).to(dtype)

@@ -21,7 +21,6 @@ import torch
 from torch import nn
 
 from engine.observe.costs import op_cost
-from parallel import comm
 
 # a module's attribute name -> the op it is; modules not named here are containers
 OP_NAMES = {
@@ -51,10 +50,14 @@ class OpRecord:
 
 
 class OpTracer:
-    """`with OpTracer(rank, device, {"": model, "sampler": sampler}) as t:` ... `t.records`."""
+    """`with OpTracer(rank, device, [("", model), ("sampler", sampler)]) as t:` ...
+    `t.records`. Each root's modules are named under its prefix; two roots may share one (the
+    model and its decode-weights view)."""
 
-    def __init__(self, rank: int, device: torch.device, roots: dict[str, nn.Module]):
-        self.rank, self.cuda = rank, device.type == "cuda"
+    def __init__(self, rank: int, device: torch.device, roots: list[tuple[str, nn.Module]],
+                 world_size: int = 1):
+        """`world_size`: ranks in the tensor-parallel group (collectives of one are dropped)."""
+        self.rank, self.cuda, self.world_size = rank, device.type == "cuda", world_size
         self.records: list[OpRecord] = []
         self._roots = roots
         self._handles: list = []
@@ -63,7 +66,7 @@ class OpTracer:
         self._origin = time.perf_counter()
 
     def __enter__(self) -> "OpTracer":
-        for prefix, root in self._roots.items():
+        for prefix, root in self._roots:
             names: dict[nn.Module, list[str]] = {}
             for name, module in root.named_modules(prefix=prefix, remove_duplicate=False):
                 names.setdefault(module, []).append(name)
@@ -103,7 +106,7 @@ class OpTracer:
         start, nested = self._open.pop()
         if self._open:
             self._open[-1][1] += end - start
-        if op in _COLLECTIVES and comm.world_size() == 1:
+        if op in _COLLECTIVES and self.world_size == 1:
             return  # a world of one communicates nothing: no op to show
         shapes, flops, nbytes = op_cost(op, module, args)
         self.records.append(OpRecord(op, self._layer, self.rank, shapes, int(flops), int(nbytes),

@@ -3,83 +3,47 @@
 One function covers a whole prompt, a chunk of one after earlier chunks or a prefix-cache hit,
 and a decode step: each sequence's queries are the last q_len positions of its context. The
 modules here (`KVStore`, `PagedAttention`) are the two ops every layer runs on the cache; which
-implementation runs them is the backend's choice.
+implementation runs them is the step's choice (`StepContext.ops`), made once per step.
 """
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.rank import graph_ops
 from engine.rank.blocked_attention import blocked_causal_attention
 from engine.rank.kv_cache import KVCache
-from engine.rank.padded_decode import PaddedDecode, padded_decode_attention
-
-
-@dataclass(slots=True)
-class AttentionMetadata:
-    cu_seqlens_q: list[int]
-    context_lens: list[int]
-    block_tables: list[list[int]]
-    slot_mapping: torch.Tensor
-    kv_head_of_q: torch.Tensor  # local KV head read by each local query head
-    # query head h reads KV head h // (hq / hkv): SDPA can share the KV heads itself, no copies
-    uniform_groups: bool = False
-
-
-@dataclass(slots=True)
-class StepContext:
-    """What every layer of one forward shares: this rank's cache and the step's metadata."""
-
-    cache: KVCache
-    meta: AttentionMetadata  # or its device form, kernels.step_metadata.StepMetadata
+from engine.rank.step_context import StepContext
+from engine.rank.step_metadata import StepMetadata
 
 
 class KVStore(nn.Module):
     """Writes the new tokens' K and V into their slots of this layer's cache."""
 
-    def __init__(self, layer_idx: int, backend):
+    def __init__(self, layer_idx: int):
         super().__init__()
-        self.layer_idx, self.backend = layer_idx, backend
+        self.layer_idx = layer_idx
 
-    def forward(self, k: torch.Tensor, v: torch.Tensor, ctx: StepContext | PaddedDecode) -> None:
-        if isinstance(ctx, PaddedDecode):  # the compiled decode graph
-            return graph_ops.kv_store(k, v, ctx.cache.data, self.layer_idx, ctx.slot_mapping)
-        if torch.compiler.is_compiling():  # a graph's attention op stores them (graph_ops)
-            return
-        self.backend.kv_store(ctx.cache, self.layer_idx, k, v, ctx.meta.slot_mapping)
+    def forward(self, k: torch.Tensor, v: torch.Tensor, ctx: StepContext) -> None:
+        ctx.ops.store(ctx, self.layer_idx, k, v)
 
 
 class PagedAttention(nn.Module):
     """Causal attention of the new queries over the whole context held in the cache."""
 
-    def __init__(self, layer_idx: int, scale: float, backend):
+    def __init__(self, layer_idx: int, scale: float):
         super().__init__()
-        self.layer_idx, self.scale, self.backend = layer_idx, scale, backend
+        self.layer_idx, self.scale = layer_idx, scale
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                ctx: StepContext | PaddedDecode) -> torch.Tensor:
-        if isinstance(ctx, PaddedDecode):
-            return padded_decode_attention(q, *ctx.cache.layer(self.layer_idx), ctx, self.scale)
-        if torch.compiler.is_compiling():
-            return graph_ops.store_and_attend(q, k, v, ctx.cache.data, self.layer_idx,
-                                              self.scale)
-        return self.backend.attention(self.layer_idx, q, k, v, ctx.cache, ctx.meta, self.scale)
+                ctx: StepContext) -> torch.Tensor:
+        return ctx.ops.attend(ctx, self.layer_idx, q, k, v, self.scale)
 
 
 def _causal_mask(q_len: int, kv_len: int, device) -> torch.Tensor:
     """Query j sits at absolute position kv_len - q_len + j and sees keys up to it."""
     q_pos = torch.arange(kv_len - q_len, kv_len, device=device).unsqueeze(1)
     return torch.arange(kv_len, device=device).unsqueeze(0) <= q_pos
-
-
-def _block_row(meta, i: int) -> torch.Tensor | list[int]:
-    """Sequence i's block ids: a row of the step's device table when the step built one."""
-    table = getattr(meta, "table", None)  # a StepMetadata has it; a plain AttentionMetadata not
-    return meta.block_tables[i] if table is None else table[i]
 
 
 def _sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
@@ -98,7 +62,7 @@ def _sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: floa
 
 
 def torch_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    cache: KVCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                    cache: KVCache, meta: StepMetadata, scale: float) -> torch.Tensor:
     """q: [T, hq, d], k/v: [T, hkv, d] for the new tokens, already stored in the cache.
     Returns [T, hq, d]."""
     out = torch.empty_like(q)
@@ -108,7 +72,7 @@ def torch_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         if e - s == kv_len:  # nothing cached before: the new K/V are the whole context
             keys, values = k[s:e], v[s:e]
         else:
-            keys, values = cache.gather(layer, _block_row(meta, i), kv_len)
+            keys, values = cache.gather(layer, meta.table[i], kv_len)
         if not meta.uniform_groups:  # uneven groups on this rank: one KV copy per query head
             keys = keys.index_select(1, meta.kv_head_of_q)
             values = values.index_select(1, meta.kv_head_of_q)

@@ -9,10 +9,11 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
-from engine.rank import ops
-from engine.rank.attention import torch_attention
 from engine.errors import ConfigError
+from engine.rank import gemm, ops
+from engine.rank.attention import torch_attention
 from engine.rank.kv_cache import KVCache
+from engine.rank.step_context import BackendOps
 from parallel.comm import is_cuda
 
 BACKENDS = ("auto", "torch", "triton")
@@ -23,12 +24,19 @@ class Backend:
     name: str
     kv_store: Callable  # (cache, layer, k, v, slot_mapping): new K/V into their slots
     attention: Callable  # (layer, q, k, v, cache, meta, scale) -> out; k/v already stored
+    decode_attention: Callable  # the same, for a step of one new token per sequence
     rmsnorm: Callable  # (x, residual | None, weight, eps) -> (normed, new residual)
     rope: Callable  # (positions, q, k, cos, sin) -> (q, k)
     silu_mul: Callable  # (gate_up) -> out
+    linear: Callable = gemm.linear  # (x, weight, bias | None) -> x Wᵀ + b: every projection
+
+    def step_ops(self, decode: bool) -> BackendOps:
+        """The KV store and attention of an eager step; `decode`: one new token per sequence."""
+        return BackendOps(self.kv_store, self.decode_attention if decode else self.attention)
 
 
-TORCH = Backend("torch", KVCache.store, torch_attention, ops.rmsnorm, ops.rope, ops.silu_mul)
+TORCH = Backend("torch", KVCache.store, torch_attention, torch_attention, ops.rmsnorm, ops.rope,
+                ops.silu_mul)
 
 
 def _triton() -> Backend:
@@ -36,14 +44,10 @@ def _triton() -> Backend:
 
     from engine.rank import kernels
 
-    def attention(layer, q, k, v, cache, meta, scale):
-        if len(q) == len(meta.context_lens):  # one new token per sequence: a decode step
-            return kernels.triton_decode_attention(layer, q, k, v, cache, meta, scale)
-        return kernels.triton_attention(layer, q, k, v, cache, meta, scale)
-
     name = "triton-interpreter" if os.environ.get("TRITON_INTERPRET") == "1" else "triton"
-    return Backend(name, kernels.triton_kv_store, attention, kernels.triton_rmsnorm,
-                   kernels.triton_rope, kernels.triton_silu_mul)
+    return Backend(name, kernels.triton_kv_store, kernels.triton_attention,
+                   kernels.triton_decode_attention, kernels.triton_rmsnorm, kernels.triton_rope,
+                   kernels.triton_silu_mul)
 
 
 def select_backend(name: str, device: str) -> Backend:

@@ -34,6 +34,8 @@ class CPMetadata:
     segments: list[list[Segment]]
     # decode rows: (local row, block table, positions this rank holds after the store)
     decodes: list[tuple[int, list[int], int]] = field(default_factory=list)
+    # per batch logits index: (context rank, its n-th logits row), for the gather to rank 0
+    providers: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -41,7 +43,6 @@ class LocalStep:
     meta: CPMetadata
     rows: list[int]  # batch rows this rank runs, in order (-1: a filler row, see below)
     logits_rows: list[int]  # local indices of the logits rows this rank provides
-    providers: list[tuple[int, int]]  # per batch logits index: (context rank, its n-th row)
 
 
 def _rank_prompt_rows(batch, cp: int, c: int) -> tuple[list[int], list[Segment]]:
@@ -102,8 +103,8 @@ def build_local_step(batch, groups: cpc.Groups, prompt_lens: dict[int, int],
     as_tensor = lambda x: torch.tensor(x, dtype=torch.long, device=device)  # noqa: E731
     meta = CPMetadata(groups, as_tensor(slots), kv_head_of_q, as_tensor(positions),
                       as_tensor(prompt_local), [len(p[0]) for p in per_rank],
-                      [p[1] for p in per_rank], decodes)
-    return LocalStep(meta, rows, logits_rows, providers)
+                      [p[1] for p in per_rank], decodes, providers)
+    return LocalStep(meta, rows, logits_rows)
 
 
 def _prompt_len(prompt_lens: dict[int, int], table: list[int]) -> int:
@@ -127,7 +128,7 @@ def cp_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     if sum(meta.prompt_counts):  # every rank takes part, with or without rows of its own
         rows = meta.prompt_rows
         out[rows] = ring_attention(q[rows], k[rows], v[rows], meta.segments, meta.kv_head_of_q,
-                                   scale, g.cp_rank, g.cp_group)
+                                   scale, g.cp_rank, g.cp_group, g.clock)
     if meta.decodes:
         partial, lse = [], []
         for row, table, held in meta.decodes:
@@ -136,8 +137,8 @@ def cp_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
             partial.append(o)
             lse.append(s)
         counts = [len(meta.decodes)] * g.cp
-        outs = cpc.all_gather_rows(torch.cat(partial), counts, g.cp_group)
-        lses = cpc.all_gather_rows(torch.cat(lse), counts, g.cp_group)
+        outs = cpc.all_gather_rows(torch.cat(partial), counts, g.cp_group, g.clock)
+        lses = cpc.all_gather_rows(torch.cat(lse), counts, g.cp_group, g.clock)
         merged = lse_merge(outs, lses)
         out[[row for row, _, _ in meta.decodes]] = merged.to(q.dtype)
     return out

@@ -23,10 +23,11 @@ import torch
 
 from engine.batch import Batch
 from engine.rank.kv_cache import KVCache
-from engine.rank.padded_decode import PaddedDecode, padded_lists
+from engine.rank.padded_decode import PaddedDecode, padded_context, padded_lists
+from engine.rank.step_context import StepContext
 
 log = logging.getLogger("engine")
-DecodeFn = Callable[[torch.Tensor, torch.Tensor, PaddedDecode], torch.Tensor]
+DecodeFn = Callable[[StepContext], torch.Tensor]
 FIELDS = ("ids", "positions", "slots", "lens")  # one value per row (padded_lists); then the table
 
 
@@ -55,6 +56,7 @@ def padded_inputs(batch: Batch, rows: int, width: int) -> list[int]:
 class Captured:
     graph: object  # torch.cuda.CUDAGraph
     inputs: torch.Tensor  # the static int32 buffer the graph reads
+    ctx: StepContext  # its step context: views of `inputs`
     logits: torch.Tensor  # [rows, local vocab] the graph writes
 
 
@@ -62,8 +64,9 @@ class DecodeGraphs:
     """The captured decode steps of one rank."""
 
     def __init__(self, run: DecodeFn, cache: KVCache, kv_head_of_q: torch.Tensor,
-                 device: torch.device):
-        self.run, self.cache, self.kv_head_of_q, self.device = run, cache, kv_head_of_q, device
+                 decode_weights: bool = False):
+        self.run, self.cache, self.kv_head_of_q = run, cache, kv_head_of_q
+        self.device, self.decode_weights = kv_head_of_q.device, decode_weights
         self.graphs: dict[tuple[int, int], Captured] = {}
         self.usable = True
         self._pool = None
@@ -80,33 +83,41 @@ class DecodeGraphs:
             log.warning("CUDA graph capture failed (%s: %s); decode steps run uncaptured",
                         type(e).__name__, str(e).splitlines()[0] if str(e) else "")
 
-    def _views(self, inputs: torch.Tensor, rows: int, width: int):
+    def _context(self, inputs: torch.Tensor, rows: int, width: int) -> StepContext:
         ids, positions, slots, lens = (inputs[i * rows:(i + 1) * rows] for i in range(4))
-        table = inputs[4 * rows:].view(rows, width)
-        return ids, positions, PaddedDecode(self.cache, slots, table, lens, self.kv_head_of_q)
+        meta = PaddedDecode(slots, inputs[4 * rows:].view(rows, width), lens, self.kv_head_of_q)
+        return padded_context(ids, positions, meta, self.cache, self.decode_weights)
 
     def _capture_one(self, rows: int, width: int) -> Captured:
         # a valid step: every row a one-token context in block 0 (which no request holds yet)
         inputs = torch.zeros(rows * (len(FIELDS) + width), dtype=torch.int32, device=self.device)
         inputs[3 * rows:4 * rows] = 1  # context lengths
-        ids, positions, meta = self._views(inputs, rows, width)
+        ctx = self._context(inputs, rows, width)
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):  # a run before capturing, as CUDA graphs require
-            self.run(ids, positions, meta)
+            self.run(ctx)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            logits = self.run(ids, positions, meta)
-        return Captured(graph, inputs, logits)
+            logits = self.run(ctx)
+        return Captured(graph, inputs, ctx, logits)
 
-    def replay(self, batch: Batch, rows: int) -> torch.Tensor | None:
-        """This rank's logits slice of each sequence, or None: no graph fits this step."""
+    def load(self, batch: Batch, rows: int) -> StepContext | None:
+        """The context of the graph that fits this step, its inputs refilled with the step's
+        (one pinned copy); None: no graph fits it."""
         width = table_width(max(batch.context_lens), self.cache.block_size)
         captured = self.graphs.get((rows, width)) if self.usable else None
         if captured is None:
             return None
         host = torch.tensor(padded_inputs(batch, rows, width), dtype=torch.int32).pin_memory()
         captured.inputs.copy_(host, non_blocking=True)  # in place: the graph reads this storage
+        return captured.ctx
+
+    def replay(self, ctx: StepContext) -> torch.Tensor | None:
+        """Every row's logits slice of a captured graph's context; None: not one of theirs."""
+        captured = self.graphs.get(tuple(ctx.meta.block_table.shape))
+        if captured is None or captured.ctx is not ctx:
+            return None
         captured.graph.replay()
-        return captured.logits[: batch.num_seqs]
+        return captured.logits

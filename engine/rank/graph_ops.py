@@ -1,19 +1,23 @@
-"""The KV store and attention as one registered custom op, for the graphs `compile=True` builds.
+"""The KV store and attention as registered custom ops, for the graphs `compile=True` builds.
 
-A compiled graph sees it as one opaque call taking and returning tensors, so torch.compile
-fuses everything between its calls and a whole forward is one graph, with no break per layer. What
-it needs besides tensors (the step's metadata: host lists, block tables, the backend that runs
-it) cannot travel through a graph, so the rank publishes it here while its forward runs
-(`running`), the way vLLM's forward context does. The cache goes in as a tensor argument too,
-marked as written, so the graph orders the op against anything else that reads the cache.
+A compiled graph sees each as one opaque call taking and returning tensors, so torch.compile
+fuses everything between the calls and a whole forward is one graph, with no break per layer.
+The cache goes in as a tensor argument, marked as written, so the graph orders the op against
+anything else that reads the cache.
+
+The layers graph's op needs the step's metadata too: host lists, block tables and the backend
+that runs it, none of which can be a graph input. It reaches the op through one channel,
+`running(ctx)` / `current_step()`, a context variable the runner sets for the length of one
+forward (as vLLM's forward context does). Nothing else in the engine carries step data outside
+the `StepContext` passed to the layers.
 
 A graph may run more rows than the step has (decode batches padded to a size bucket): the op
 stores and attends the step's own rows only, and returns zeros for the padding.
 """
 from __future__ import annotations
 
-import threading
 from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Iterator
 
 import torch
@@ -21,39 +25,40 @@ import torch
 from engine.rank.kv_cache import store_into
 
 if TYPE_CHECKING:
-    from engine.rank.attention import StepContext
+    from engine.rank.step_context import StepContext
 
-_local = threading.local()  # one step at a time per thread; in-process ranks share a process
+# one value per thread (in-process ranks share a process, each on its own thread)
+_step: ContextVar[StepContext | None] = ContextVar("prefill_step", default=None)
 
 
 @contextmanager
-def running(ctx: StepContext, backend) -> Iterator[None]:
-    """Make `ctx` (and the backend its ops run on) the one the graph ops read, for one forward."""
-    _local.step = (ctx, backend)
+def running(ctx: StepContext) -> Iterator[None]:
+    """Make `ctx` the step the graph ops read, for one forward."""
+    token = _step.set(ctx)
     try:
         yield
     finally:
-        _local.step = None
+        _step.reset(token)
 
 
-def _current() -> tuple[StepContext, object]:
-    step = getattr(_local, "step", None)
-    if step is None:
+def current_step() -> StepContext:
+    ctx = _step.get()
+    if ctx is None:
         raise RuntimeError("a compiled graph ran outside graph_ops.running(): its KV store and "
                            "attention have no step metadata to read")
-    return step
+    return ctx
 
 
 @torch.library.custom_op("prefill::store_and_attend", mutates_args=("cache",))
 def store_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
                      layer: int, scale: float) -> torch.Tensor:
     """The step's new K/V of `layer` into their slots of `cache` (the rank's whole cache), then
-    causal attention of its queries over their context: [rows, hq, d]. One op, not two: each
-    custom-op call costs ~30 us of dispatch, 30 layers a decode step."""
-    ctx, backend = _current()
+    causal attention of its queries over their context: [rows, hq, d], by the eager step's own
+    ops. One op, not two: each custom-op call costs ~30 us of dispatch, 30 layers a step."""
+    ctx = current_step()
     n = ctx.meta.cu_seqlens_q[-1]
-    backend.kv_store(ctx.cache, layer, k[:n], v[:n], ctx.meta.slot_mapping)
-    out = backend.attention(layer, q[:n], k[:n], v[:n], ctx.cache, ctx.meta, scale)
+    ctx.ops.store(ctx, layer, k[:n], v[:n])
+    out = ctx.ops.attend(ctx, layer, q[:n], k[:n], v[:n], scale)
     if n == len(q):
         return out
     return torch.cat((out, out.new_zeros(len(q) - n, *out.shape[1:])))
@@ -73,3 +78,17 @@ def kv_store(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, layer: int,
     itself, the cache would be copied whole at every step (inductor does not write a graph
     input in place), while a custom op marked as writing it does."""
     store_into(cache, layer, k, v, slot_mapping)
+
+
+class LayersGraphOps:
+    """The layers graph's `ops`: one opaque op stores and attends (the store happens there)."""
+
+    def store(self, ctx: StepContext, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        return None
+
+    def attend(self, ctx: StepContext, layer: int, q: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor, scale: float) -> torch.Tensor:
+        return store_and_attend(q, k, v, ctx.cache.data, layer, scale)
+
+
+LAYERS_GRAPH_OPS = LayersGraphOps()

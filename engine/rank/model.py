@@ -11,10 +11,12 @@ from torch import nn
 
 from engine.loading.model_config import ModelConfig
 from engine.plan import ShardPlan
-from engine.rank.attention import KVStore, PagedAttention, StepContext
+from engine.rank.attention import KVStore, PagedAttention
 from engine.rank.backend import TORCH, Backend
-from engine.rank.overlap import SplitContext, run_layers_split
+from engine.rank.overlap import run_halves_interleaved
 from engine.rank.rotary import RotaryEmbedding
+from engine.rank.step_context import StepContext
+from parallel.comm import TensorGroup
 from parallel.layers import (ColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
                              RowParallelLinear, TensorReader, VocabParallelEmbedding,
                              copy_checked)
@@ -46,24 +48,23 @@ class SiluAndMul(nn.Module):
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, shard: ShardPlan, layer_idx: int,
-                 rotary_emb: RotaryEmbedding, backend: Backend):
+                 rotary_emb: RotaryEmbedding, backend: Backend, tp: TensorGroup):
         super().__init__()
         self.head_dim = hd = cfg.head_dim
-        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, hd, shard.heads, cfg.qkv_bias)
+        self.qkv_proj = QKVParallelLinear(cfg.hidden_size, hd, shard.heads, cfg.qkv_bias,
+                                          backend.linear)
         self.rotary_emb = rotary_emb
-        self.kv_store = KVStore(layer_idx, backend)
-        self.attn = PagedAttention(layer_idx, hd ** -0.5, backend)
-        self.o_proj = RowParallelLinear(range_times(shard.heads.q_heads, hd), cfg.hidden_size)
+        self.kv_store = KVStore(layer_idx)
+        self.attn = PagedAttention(layer_idx, hd ** -0.5)
+        self.o_proj = RowParallelLinear(range_times(shard.heads.q_heads, hd), cfg.hidden_size, tp,
+                                        matmul=backend.linear)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        return self.o_proj(self.attend(positions, x, ctx))
-
-    def attend(self, positions: torch.Tensor, x: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        """Everything before o_proj (and its all-reduce): [T, local q heads * head_dim]."""
+    def forward(self, x: torch.Tensor, ctx: StepContext, async_op: bool = False):
+        """[T, hidden] summed over ranks (or, `async_op`, that sum in flight)."""
         q, k, v = (t.view(len(x), -1, self.head_dim) for t in self.qkv_proj.split(self.qkv_proj(x)))
-        q, k = self.rotary_emb(positions, q, k)
+        q, k = self.rotary_emb(ctx.positions, q, k)
         self.kv_store(k, v, ctx)
-        return self.attn(q, k, v, ctx).flatten(1)
+        return self.o_proj(self.attn(q, k, v, ctx).flatten(1), async_op=async_op)
 
     def load(self, read: TensorReader, prefix: str) -> None:
         self.qkv_proj.load(read, [f"{prefix}.q_proj", f"{prefix}.k_proj", f"{prefix}.v_proj"])
@@ -71,14 +72,15 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, shard: ShardPlan, backend: Backend):
+    def __init__(self, cfg: ModelConfig, shard: ShardPlan, backend: Backend, tp: TensorGroup):
         super().__init__()
-        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [shard.ffn, shard.ffn])
+        self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [shard.ffn, shard.ffn],
+                                                 matmul=backend.linear)
         self.act_fn = SiluAndMul(backend)
-        self.down_proj = RowParallelLinear(shard.ffn, cfg.hidden_size)
+        self.down_proj = RowParallelLinear(shard.ffn, cfg.hidden_size, tp, matmul=backend.linear)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, async_op: bool = False):
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)), async_op=async_op)
 
     def load(self, read: TensorReader, prefix: str) -> None:
         self.gate_up_proj.load(read, [f"{prefix}.gate_proj", f"{prefix}.up_proj"])
@@ -87,19 +89,29 @@ class MLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, shard: ShardPlan, layer_idx: int,
-                 rotary_emb: RotaryEmbedding, backend: Backend):
+                 rotary_emb: RotaryEmbedding, backend: Backend, tp: TensorGroup):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
-        self.self_attn = Attention(cfg, shard, layer_idx, rotary_emb, backend)
+        self.self_attn = Attention(cfg, shard, layer_idx, rotary_emb, backend, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
-        self.mlp = MLP(cfg, shard, backend)
+        self.mlp = MLP(cfg, shard, backend, tp)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None,
                 ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
+        x, residual = self.attention_part(x, residual, ctx)
+        return self.mlp_part(x, residual)
+
+    def attention_part(self, x: torch.Tensor, residual: torch.Tensor | None, ctx: StepContext,
+                       async_op: bool = False):
+        """Norm, attention, o_proj: (its output or, `async_op`, its all-reduce in flight,
+        the residual)."""
         x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, ctx)
+        return self.self_attn(x, ctx, async_op), residual
+
+    def mlp_part(self, x: torch.Tensor, residual: torch.Tensor, async_op: bool = False):
+        """Norm, gate/up, SiLU·mul, down: (its output or its all-reduce in flight, residual)."""
         x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        return self.mlp(x, async_op), residual
 
     def load(self, read: TensorReader, prefix: str) -> None:
         self.input_layernorm.load(read, f"{prefix}.input_layernorm")
@@ -110,39 +122,31 @@ class DecoderLayer(nn.Module):
 
 class CausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, shard: ShardPlan, max_positions: int,
-                 backend: Backend = TORCH):
+                 backend: Backend = TORCH, tp: TensorGroup | None = None):
+        """`tp`: the rank's tensor-parallel group, which every sharded layer sums over (None:
+        a world of one, or the whole process group)."""
         super().__init__()
+        self.tp = tp = tp or TensorGroup()
         rotary_emb = RotaryEmbedding(cfg, max_positions, backend)
-        self.embed_tokens = VocabParallelEmbedding(shard.vocab, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, shard, i, rotary_emb, backend)
+        self.embed_tokens = VocabParallelEmbedding(shard.vocab, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, shard, i, rotary_emb, backend, tp)
                                     for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, backend)
-        self.lm_head = ParallelLMHead(shard.vocab_ranges, shard.rank, cfg.hidden_size,
-                                      self.embed_tokens if cfg.tie_word_embeddings else None)
+        self.lm_head = ParallelLMHead(shard.vocab_ranges, shard.rank, cfg.hidden_size, tp,
+                                      self.embed_tokens if cfg.tie_word_embeddings else None,
+                                      backend.linear)
 
-    @torch.inference_mode()
-    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext,
-                logits_indices: torch.Tensor) -> torch.Tensor | None:
-        """Logits [len(logits_indices), vocab] on rank 0 (None on other ranks)."""
-        x, residual = self.hidden_states(token_ids, positions, ctx)
-        return self.logits(x, residual, logits_indices)
-
-    @torch.inference_mode()
-    def hidden_states(self, token_ids: torch.Tensor, positions: torch.Tensor,
-                      ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
         """Every row's last-layer output and residual [T, d], before the final norm (scoring
-        reads them all; sampling only a few)."""
-        return self.run_layers(token_ids, positions, ctx)
-
-    def run_layers(self, token_ids: torch.Tensor, positions: torch.Tensor,
-                   ctx) -> tuple[torch.Tensor, torch.Tensor]:
-        """hidden_states outside inference mode, for the compiled decode graph: inductor cannot
-        write the KV cache (an input of the graph) in a graph traced in inference mode."""
-        if isinstance(ctx, SplitContext):  # overlap_comm: two micro-batches, interleaved
-            return run_layers_split(self, token_ids, positions, ctx)
-        x, residual = self.embed_tokens(token_ids), None
+        reads them all; sampling only a few). Not in inference mode itself: inductor cannot
+        write the KV cache (an input of the graph) in a graph traced in inference mode, so the
+        runner enters it around the eager call."""
+        x = self.embed_tokens(ctx.token_ids)
+        if ctx.halves is not None:  # overlap_comm: two micro-batches, interleaved
+            return run_halves_interleaved(self.layers, x, ctx.halves)
+        residual = None
         for layer in self.layers:
-            x, residual = layer(positions, x, residual, ctx)
+            x, residual = layer(x, residual, ctx)
         return x, residual
 
     @torch.inference_mode()
@@ -155,12 +159,10 @@ class CausalLM(nn.Module):
         logits = self.lm_head(x)
         return None if logits is None else logits.float()
 
-    def local_logits(self, token_ids: torch.Tensor, positions: torch.Tensor,
-                     ctx) -> torch.Tensor:
+    def local_logits(self, ctx: StepContext) -> torch.Tensor:
         """Every row's logits for this rank's vocabulary slice, before the gather: the compiled
-        decode graph, where each row is a sequence's newest token and every row samples (run
-        under no_grad, see run_layers)."""
-        x, residual = self.run_layers(token_ids, positions, ctx)
+        decode graph, where each row is a sequence's newest token and every row samples."""
+        x, residual = self(ctx)
         x, _ = self.norm(x, residual)
         return self.lm_head.local(x)
 

@@ -18,23 +18,14 @@ results are the same up to float rounding of the half-sized matmuls.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
+from torch import nn
 
-from engine.rank.attention import StepContext
-from engine.rank.kernels.step_metadata import build_step_metadata
+from engine.rank.step_context import StepContext
+from engine.rank.step_metadata import build_step_metadata
 from parallel.layers import RowParallelInFlight
 
 Step = tuple[list[int], list[int], list[list[int]], list[int]]  # cu_q, ctx lens, tables, slots
-
-
-@dataclass(slots=True)
-class SplitContext:
-    """A step run as two micro-batches: rows [0, split) and [split, T)."""
-
-    split: int
-    halves: tuple[StepContext, StepContext]
 
 
 def split_step(cu_seqlens_q: list[int], context_lens: list[int], block_tables: list[list[int]],
@@ -57,35 +48,37 @@ def split_step(cu_seqlens_q: list[int], context_lens: list[int], block_tables: l
     return first, second
 
 
-def make_split_context(batch, cache, kv_head_of_q: list[int], device: torch.device,
-                       uniform_groups: bool) -> SplitContext:
-    """Both halves' metadata, each built once for the step like the unsplit one."""
-    split = batch.num_tokens // 2
+def with_halves(ctx: StepContext, batch, kv_head_of_q: list[int], uniform_groups: bool,
+                split: int | None = None) -> StepContext:
+    """`ctx` (a whole step's context) with its two micro-batches, rows [0, split) and [split, T)
+    (None: half and half): each half's own metadata, built once for the step like the whole
+    one, and its rows of the positions."""
+    split = batch.num_tokens // 2 if split is None else split
     halves = split_step(batch.cu_seqlens_q, batch.context_lens, batch.block_tables,
                         batch.slot_mapping, split)
-    contexts = tuple(StepContext(cache, build_step_metadata(cu, lens, tables, slots, kv_head_of_q,
-                                                            device, uniform_groups=uniform_groups))
-                     for cu, lens, tables, slots in halves)
-    return SplitContext(split, contexts)
+    rows = (slice(0, split), slice(split, None))
+    ctx.halves = tuple(
+        StepContext(ctx.mode, ctx.token_ids[r], ctx.positions[r], None, ctx.cache,
+                    build_step_metadata(cu, lens, tables, slots, kv_head_of_q, ctx.cache.data.device,
+                                        uniform_groups=uniform_groups), ctx.ops)
+        for r, (cu, lens, tables, slots) in zip(rows, halves))
+    return ctx
 
 
-def run_layers_split(model, token_ids: torch.Tensor, positions: torch.Tensor,
-                     ctx: SplitContext) -> tuple[torch.Tensor, torch.Tensor]:
-    """The decoder layers over both halves, interleaved; (hidden, residual) for all rows."""
-    m = ctx.split
-    x = model.embed_tokens(token_ids)  # one all-reduce for the whole step, not overlapped
-    xs, residuals = [x[:m], x[m:]], [None, None]
-    pos = (positions[:m], positions[m:])
+def run_halves_interleaved(layers: nn.ModuleList, x: torch.Tensor,
+                           halves: tuple[StepContext, StepContext]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The decoder layers over both halves of the embedded rows `x`, interleaved so that each
+    half's all-reduce is in flight while the other half computes; (hidden, residual)."""
+    m = len(halves[0].positions)
+    ready, residuals = [x[:m], x[m:]], [None, None]
     in_flight: list[RowParallelInFlight | None] = [None, None]
-    for layer in model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
+    for layer in layers:
         for h in (0, 1):
             if in_flight[h] is not None:
-                xs[h] = in_flight[h].wait()
-            xs[h], residuals[h] = layer.input_layernorm(xs[h], residuals[h])
-            in_flight[h] = attn.o_proj.start(attn.attend(pos[h], xs[h], ctx.halves[h]))
+                ready[h] = in_flight[h].wait()
+            in_flight[h], residuals[h] = layer.attention_part(ready[h], residuals[h], halves[h],
+                                                              async_op=True)
         for h in (0, 1):
-            xs[h], residuals[h] = layer.post_attention_layernorm(in_flight[h].wait(), residuals[h])
-            in_flight[h] = mlp.down_proj.start(mlp.act_fn(mlp.gate_up_proj(xs[h])))
-    xs = [p.wait() for p in in_flight]
-    return torch.cat(xs), torch.cat(residuals)
+            in_flight[h], residuals[h] = layer.mlp_part(in_flight[h].wait(), residuals[h],
+                                                        async_op=True)
+    return torch.cat([p.wait() for p in in_flight]), torch.cat(residuals)

@@ -18,15 +18,16 @@ from dataclasses import dataclass
 import torch
 
 from engine.batch import Batch
-from engine.rank.kernels.step_metadata import pack_to_device
+from engine.rank import graph_ops
 from engine.rank.kv_cache import KVCache
+from engine.rank.step_context import DECODE, StepContext
+from engine.rank.step_metadata import pack_to_device
 
 
 @dataclass(slots=True)
 class PaddedDecode:
-    """What every layer of a compiled decode step reads (the decode graph's StepContext)."""
+    """The compiled decode graph's metadata (a StepContext's `meta`): tensors only."""
 
-    cache: KVCache
     slot_mapping: torch.Tensor  # [rows] slot of each row's new K/V
     block_table: torch.Tensor  # [rows, width] block ids, width >= 2
     context_lens: torch.Tensor  # [rows] positions each row attends to, its own included
@@ -45,14 +46,36 @@ def padded_lists(batch: Batch, rows: int, width: int) -> dict[str, list[int]]:
             for name, values in lists.items()}
 
 
+class PaddedDecodeOps:
+    """The decode graph's `ops`: the store as a custom op that writes the cache in place, the
+    attention as tensor math over the block table, which inductor fuses."""
+
+    def store(self, ctx: StepContext, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        graph_ops.kv_store(k, v, ctx.cache.data, layer, ctx.meta.slot_mapping)
+
+    def attend(self, ctx: StepContext, layer: int, q: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor, scale: float) -> torch.Tensor:
+        return padded_decode_attention(q, *ctx.cache.layer(layer), ctx.meta, scale)
+
+
+PADDED_DECODE_OPS = PaddedDecodeOps()
+
+
+def padded_context(ids: torch.Tensor, positions: torch.Tensor, meta: PaddedDecode,
+                   cache: KVCache, decode_weights: bool) -> StepContext:
+    """The StepContext of a decode graph of `len(ids)` rows."""
+    return StepContext(DECODE, ids, positions, None, cache, meta, PADDED_DECODE_OPS,
+                       graph=f"decode-{len(ids)}", decode_weights=decode_weights)
+
+
 def pad_decode_step(batch: Batch, cache: KVCache, kv_head_of_q: torch.Tensor, rows: int,
-                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor, PaddedDecode]:
-    """(token ids, positions, PaddedDecode) of a decode step, each padded to `rows` rows."""
+                    decode_weights: bool = False) -> StepContext:
+    """A decode step's context, its rows padded to `rows`."""
     width = max(2, -(-max(batch.context_lens) // cache.block_size))
     # one host->device copy for the whole step (pinned and non-blocking on CUDA)
-    t = pack_to_device(padded_lists(batch, rows, width), device)
-    meta = PaddedDecode(cache, t["slots"], t["table"].view(rows, width), t["lens"], kv_head_of_q)
-    return t["ids"], t["positions"], meta
+    t = pack_to_device(padded_lists(batch, rows, width), kv_head_of_q.device)
+    meta = PaddedDecode(t["slots"], t["table"].view(rows, width), t["lens"], kv_head_of_q)
+    return padded_context(t["ids"], t["positions"], meta, cache, decode_weights)
 
 
 def padded_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -6,7 +6,6 @@ from __future__ import annotations
 import torch
 
 from engine.batch import Batch
-from parallel.gemm import linear
 from parallel.sharded_logprobs import LogprobRows, vocab_parallel_logprobs
 
 
@@ -23,13 +22,13 @@ def score_batch(model, hidden: torch.Tensor, residual: torch.Tensor,
     idx = torch.tensor(batch.score_indices, device=dev)
     x = model.norm(hidden[idx], residual[idx])[0]  # [n, d]: the scored rows only, small
     targets = torch.tensor(batch.score_targets, device=dev)
-    weight = model.lm_head.weight  # this rank's vocabulary rows
+    head = model.lm_head  # this rank's vocabulary rows, and the product they run through
 
     def local_logits(a: int, b: int, c: int, e: int) -> torch.Tensor:
-        return linear(x[a:b], weight[c:e])
+        return head.matmul(x[a:b], head.weight[c:e], None)
 
     rows = vocab_parallel_logprobs(local_logits, len(idx), targets, model.lm_head.vocab_slice,
-                                   batch.score_top_k)
+                                   batch.score_top_k, tp=model.tp)
     rows.logprobs = rows.logprobs.cpu()
     if rows.top_ids is not None:
         rows.top_ids, rows.top_logprobs = rows.top_ids.cpu(), rows.top_logprobs.cpu()

@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import hashlib
+import time
 
 import torch
+from torch import nn
 
-from engine.batch import SamplingSpec
+from engine.batch import Batch, SamplingSpec, StepResult
 
 
 def _filtered(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
@@ -57,3 +59,34 @@ def sample(logits: torch.Tensor, specs: list[SamplingSpec]) -> list[int]:
             gen = torch.Generator().manual_seed(generator_seed(spec.seed, spec.step))
         out.append(int(torch.multinomial(probs, 1, generator=gen)))
     return out
+
+
+class Sampler(nn.Module):
+    """The next token of every row; a module so the tracer sees it as an op."""
+
+    def forward(self, logits: torch.Tensor, specs: list[SamplingSpec]) -> list[int]:
+        return sample(logits, specs)
+
+
+def sample_into(sampler: Sampler, logits: torch.Tensor, batch: Batch, result: StepResult) -> None:
+    """Fill `result` with one token per row of `logits` (host float32). A row of NaN/Inf would
+    "sample" garbage: it is flagged and sampled from a safe stand-in, and a row whose settings
+    make sampling raise fails alone, so one bad request spares the others."""
+    start = time.perf_counter()
+    result.nonfinite_rows = (~torch.isfinite(logits).all(-1)).nonzero().flatten().tolist()
+    safe = logits.nan_to_num(0.0, 0.0, 0.0) if result.nonfinite_rows else logits
+    try:
+        result.token_ids = sampler(safe, batch.sampling)
+    except Exception:  # noqa: BLE001  one request's settings: find it, spare the others
+        result.token_ids = [_sample_row(safe, i, spec, result)
+                            for i, spec in enumerate(batch.sampling)]
+    result.logits = logits if batch.return_logits else None
+    result.sample_s = time.perf_counter() - start
+
+
+def _sample_row(logits: torch.Tensor, row: int, spec: SamplingSpec, result: StepResult) -> int:
+    try:
+        return sample(logits[row:row + 1], [spec])[0]
+    except Exception as e:  # noqa: BLE001  reported to the driver as this request's failure
+        result.row_errors[row] = f"{type(e).__name__}: {e}"
+        return 0

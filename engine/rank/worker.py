@@ -8,39 +8,35 @@ import os
 import time
 
 import torch
-from torch import nn
 
-from engine.batch import Batch, SamplingSpec, StepResult
-from engine.errors import ModelLoadError
+from engine.batch import Batch, StepResult
 from engine.loading.checkpoint import Checkpoint, open_checkpoint
-from engine.loading.weight_digest import Slices, WeightDigest
+from engine.loading.load_weights import load_weights
+from engine.loading.weight_digest import Slices
+from engine.observe.step_timer import StepTimer
 from engine.observe.tracer import OpTracer
 from engine.plan import EnginePlan, RankInfo
-from engine.rank.attention import StepContext
 from engine.rank.backend import select_backend
-from engine.rank.compiled import CompiledModel, warm_up
-from engine.rank.decode_weights import DecodeWeights
+from engine.rank.compiled import CompiledModel
+from engine.rank.cp_runner import ContextParallelSteps, context_parallel_backend
+from engine.rank.decode_weights import decode_view
 from engine.rank.host_memory import keep_freed_memory
 from engine.rank.kernels.launch_config import tuning_steps
-from engine.rank.kernels.step_metadata import build_step_metadata
 from engine.rank.kv_cache import KVCache
 from engine.rank.model import CausalLM
-from engine.rank.cp_runner import ContextParallelRunner, context_parallel_backend
-from engine.rank.overlap import make_split_context
-from engine.rank.sampler import sample
+from engine.rank.overlap import with_halves
 from engine.rank.prompt_logprobs import score_batch
-from parallel import comm
+from engine.rank.sampler import Sampler, sample_into
+from engine.rank.step_context import DECODE, StepContext, step_mode
+from engine.rank.step_metadata import build_step_metadata
+from engine.rank.warmup import warm_up
+from parallel.comm import TensorGroup
 from parallel.context import make_groups
 
 
-class Sampler(nn.Module):
-    """The next token of every row; a module so the tracer sees it as an op."""
-
-    def forward(self, logits: torch.Tensor, specs: list[SamplingSpec]) -> list[int]:
-        return sample(logits, specs)
-
-
 class Worker:
+    """One rank's model runner: built from the plan, then `execute(batch)` once per step."""
+
     def __init__(self, plan: EnginePlan, rank: int = 0, world_size: int = 1,
                  checkpoint: Checkpoint | None = None, device: str | None = None):
         """`device`: where this rank computes; None: the plan's device type at index 0, the one
@@ -55,22 +51,20 @@ class Worker:
         else:
             keep_freed_memory()
         self.shard = shard = plan.shard(rank % plan.world_size)  # rank in its TP group
-        backend = select_backend(plan.backend, plan.device)
+        self.backend = select_backend(plan.backend, plan.device)
         # cp > 1: TP/CP sub-groups, and the split-by-position KV store and attention
         groups = make_groups(plan.world_size, plan.cp) if plan.cp > 1 else None
         if groups is not None:
-            backend = context_parallel_backend(backend)
-        self.model = CausalLM(plan.model, shard, plan.max_model_len, backend)
-        # parameters go to their device and dtype before loading, so each checkpoint slice is
-        # cast once on its way in; the rotary tables (buffers) stay float32
-        for p in self.model.parameters():
-            p.data = torch.empty_like(p.data, device=self.device, dtype=plan.dtype)
-        self.model.to(self.device)
+            self.backend = context_parallel_backend(self.backend)
+        self.tp = groups.tensor if groups is not None else TensorGroup()
+        self.model = CausalLM(plan.model, shard, plan.max_model_len, self.backend, self.tp)
         started = time.perf_counter()
-        self._load(checkpoint or open_checkpoint(plan.source))
+        self.digest = load_weights(self.model, checkpoint or open_checkpoint(plan.source),
+                                   self.device, plan.dtype)
         self.load_s = time.perf_counter() - started
-        self.decode_weights = (DecodeWeights(self.model, plan.decode_dtype, packed=not plan.compile)
-                               if plan.decode_dtype is not None else None)
+        self.decode_model, self.decode_bytes = (
+            decode_view(self.model, self.tp, plan.decode_dtype, packed=not plan.compile)
+            if plan.decode_dtype is not None else (None, 0))
         self.cache = KVCache(plan.model.num_layers, plan.num_blocks, plan.block_size,
                              shard.heads.num_kv_heads, plan.model.head_dim, plan.dtype, self.device)
         self.kv_head_of_q = mapping = shard.heads.kv_head_of_q_head()
@@ -78,138 +72,85 @@ class Worker:
         group = len(mapping) // shard.heads.num_kv_heads
         self.uniform_groups = mapping == [h // group for h in range(len(mapping))]
         self.sampler = Sampler()
-        self.context = ContextParallelRunner(self, groups) if groups is not None else None
+        self.context = (ContextParallelSteps(groups, self.backend, self.kv_head_of_q_device,
+                                             plan.block_size, plan.model.vocab_size)
+                        if groups is not None else None)
         self._tracer: OpTracer | None = None
-        self.compiled: CompiledModel | None = None
-        self.warmup_s = 0.0
-        if plan.compile:
-            self.compiled = CompiledModel(self.model, backend)
-        if plan.compile or plan.backend == "triton":
-            # on a GPU the flash prefill autotunes per token bucket: every bucket a step can
-            # fall in is tuned here (under the interpreter it runs one tile: nothing to tune)
-            tuning = (tuning_steps(plan.max_num_batched_tokens, plan.max_model_len)
-                      if plan.on_cuda and plan.backend == "triton" else ())
-            self.warmup_s = warm_up(self._warm_up_step, plan.max_model_len, self.compiled,
-                                    tuning)
+        self.compiled = CompiledModel(self.model, self.decode_model) if plan.compile else None
+        self.warmup_s = self._warm_up()
+
+    def _warm_up(self) -> float:
+        """Compile (compile=True) and tune (Triton on a GPU) at start-up; seconds taken."""
+        plan = self.plan
+        if not (plan.compile or plan.backend == "triton"):
+            return 0.0
+        # on a GPU the flash prefill autotunes per token bucket: every bucket a step can fall
+        # in is tuned here (under the interpreter it runs one tile: nothing to tune)
+        tuning = (tuning_steps(plan.max_num_batched_tokens, plan.max_model_len)
+                  if plan.on_cuda and plan.backend == "triton" else ())
+        seconds = warm_up(self.execute, plan.block_size, plan.max_model_len, self.compiled,
+                          tuning)
         if plan.on_cuda and self.compiled is not None and self.compiled.usable:
             start = time.perf_counter()
             self.compiled.capture_decode_graphs(self.cache, self.kv_head_of_q_device,
-                                                plan.max_model_len)
-            self.warmup_s += time.perf_counter() - start
-
-    def _warm_up_step(self, num_tokens: int, start: int, num_seqs: int) -> None:
-        """A step of `num_seqs` sequences of made-up tokens, all in the first blocks, which no
-        request holds yet (their slots are overwritten when a request gets them). Every rank
-        runs it at once (SPMD)."""
-        positions = list(range(start, start + num_tokens)) * num_seqs
-        blocks = list(range(-(-(start + num_tokens) // self.plan.block_size)))
-        self.execute(Batch([0] * len(positions), positions,
-                           list(range(0, len(positions) + 1, num_tokens)),
-                           [start + num_tokens] * num_seqs, positions, [blocks] * num_seqs,
-                           list(range(num_tokens - 1, len(positions), num_tokens)),
-                           [SamplingSpec()] * num_seqs))
-
-    def _load(self, ckpt: Checkpoint) -> None:
-        """Every tensor the model needs, each exactly as expected, and no tensor left over;
-        each slice is digested as it comes in (`weight_digest`)."""
-        used: set[str] = set()
-        self._digest = WeightDigest()
-
-        def read(name, dim, start, stop):
-            used.add(name)
-            tensor = ckpt.read(name, dim, start, stop)
-            if not torch.isfinite(tensor).all():
-                raise ModelLoadError(f"{ckpt.source}: tensor {name} holds NaN or Inf values; "
-                                     f"the checkpoint is corrupt")
-            self._digest.add(name, dim, start, tensor)
-            return tensor
-
-        try:
-            self.model.load(read)
-        except ValueError as e:
-            raise ModelLoadError(f"{ckpt.source}: {e}") from None
-        extra = sorted(ckpt.names() - used)
-        if extra:
-            raise ModelLoadError(f"{ckpt.source}: {len(extra)} tensor(s) this architecture does not "
-                                 f"use, e.g. {extra[:3]}; is config.json for another model?")
-
-    def info(self) -> RankInfo:
-        heads = self.shard.heads
-        return RankInfo(self.rank, heads.q_heads, heads.kv_heads, self.shard.ffn, self.shard.vocab,
-                        sum(p.numel() * p.element_size() for p in self.model.parameters())
-                        + (self.decode_weights.nbytes if self.decode_weights else 0),
-                        self.plan.kv_bytes_per_token(heads.num_kv_heads), self.cache.num_blocks,
-                        self.cache.nbytes, os.getpid(),
-                        self.compiled is not None and self.compiled.usable, self.warmup_s,
-                        self.load_s, self._digest.seconds)
-
-    def weight_digest(self) -> Slices:
-        """The digests of every weight slice this rank loaded (the driver combines them)."""
-        return self._digest.slices
+                                                plan.max_model_len, self.decode_model is not None)
+            seconds += time.perf_counter() - start
+        return seconds
 
     def execute(self, batch: Batch) -> StepResult | None:
-        graph_rows = self._decode_graph_rows(batch)
-        # one new token per sequence and nothing scored: a decode step; compiled, only the
-        # decode graph reads the copies (the layers graph was compiled for the model's own)
-        decode = _one_token_rows(batch)
-        if self.compiled is not None and self.compiled.active:
-            decode = graph_rows is not None
-        if self.decode_weights is not None and decode:
-            with self.decode_weights.active():
-                return self._execute(batch, graph_rows)
-        return self._execute(batch, graph_rows)
-
-    def _execute(self, batch: Batch, graph_rows: int | None) -> StepResult | None:
-        if self.context is not None:
-            return self.context.execute(batch)
-        started = self.step_clocks()
-        if graph_rows is not None:
-            logits, score = self._decode_graph_logits(batch, graph_rows), None
-            graph = f"decode-{graph_rows}"
+        """One step: prepare its context, run the model, then logits, scores and samples.
+        Rank 0 returns the result; the other ranks None."""
+        timer = StepTimer(self.rank, self.tp.clock, self.device if self.plan.on_cuda else None)
+        ctx = self.prepare(batch)
+        model = self.decode_model if ctx.decode_weights else self.model
+        score = None
+        if ctx.graph.startswith("decode"):
+            logits = self._gathered(self.compiled.decode_logits(ctx), batch)
         else:
-            ctx = self._step_context(batch)
-            tokens, positions, indices = self._step_inputs(batch, ctx)
-            x, residual, graph = self._hidden_states(tokens, positions, ctx)
-            logits = self.model.logits(x, residual, indices)
+            with torch.inference_mode():
+                x, residual = self.compiled.forward(ctx) if ctx.graph else model(ctx)
+            logits = model.logits(x, residual, ctx.logits_indices)
             score = score_batch(self.model, x, residual, batch)  # None unless it scores rows
-        result = self.step_result(started, score)
-        if result is None:
-            return None
-        result.graph = graph
-        if logits is not None:  # None: every sequence is mid-prompt, nothing to sample
-            self._sample(logits.cpu(), batch, result)
+        if self.context is not None:  # the logits rows of every context rank, to rank 0
+            logits = self.context.gather_logits(logits, ctx.meta)
+        result = timer.result(score)
+        if result is not None:
+            result.graph = ctx.graph
+            if logits is not None:  # None: every sequence is mid-prompt, nothing to sample
+                sample_into(self.sampler, logits.cpu(), batch, result)
         return result
 
-    def _step_context(self, batch: Batch):
-        """The step's metadata and inputs, on the device in one copy, read by every layer (two
-        halves' worth when the step overlaps its all-reduces with compute)."""
-        if self.plan.overlap_comm and self.plan.world_size > 1 and batch.num_tokens >= 2:
-            return make_split_context(batch, self.cache, self.kv_head_of_q, self.device,
-                                      self.uniform_groups)
+    def prepare(self, batch: Batch) -> StepContext:
+        """The step's context, built once: the one place that decides how a step runs
+        (context-parallel, compiled decode graph, micro-batches, layers graph, or eager)."""
+        mode = step_mode(batch)
+        decode_weights = self.decode_model is not None and mode == DECODE
+        if self.context is not None:
+            ctx = self.context.prepare(batch, self.cache)
+            ctx.decode_weights = decode_weights
+            return ctx
+        compiled = self.compiled if self.compiled is not None and self.compiled.active else None
+        rows = compiled.decode_bucket(batch.num_seqs) if compiled and mode == DECODE else None
+        if rows is not None:
+            return compiled.decode_context(batch, self.cache, self.kv_head_of_q_device, rows,
+                                           decode_weights)
         inputs = {"token_ids": batch.token_ids, "positions": batch.positions,
                   "logits_indices": batch.logits_indices}
-        return StepContext(self.cache, build_step_metadata(
-            batch.cu_seqlens_q, batch.context_lens, batch.block_tables, batch.slot_mapping,
-            self.kv_head_of_q, self.device, uniform_groups=self.uniform_groups, inputs=inputs))
+        meta = build_step_metadata(batch.cu_seqlens_q, batch.context_lens, batch.block_tables,
+                                   batch.slot_mapping, self.kv_head_of_q, self.device,
+                                   uniform_groups=self.uniform_groups, inputs=inputs)
+        # beside compiled graphs, steps read the model's own weights (compiled for them)
+        ctx = StepContext(mode, meta.token_ids, meta.positions, meta.logits_indices,
+                          self.cache, meta, self.backend.step_ops(meta.is_decode),
+                          decode_weights=decode_weights and compiled is None)
+        if self.plan.overlap_comm and self.plan.world_size > 1 and batch.num_tokens >= 2:
+            return with_halves(ctx, batch, self.kv_head_of_q, self.uniform_groups)
+        if compiled is not None and compiled.runs_layers(batch.num_tokens):
+            ctx.graph = "layers"
+        return ctx
 
-    def _step_inputs(self, batch: Batch, ctx) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(token ids, positions, logits rows) on the device: the views packed with the step's
-        metadata, or (a split step's) copies of their own."""
-        meta = getattr(ctx, "meta", None)
-        if getattr(meta, "token_ids", None) is not None:
-            return meta.token_ids, meta.positions, meta.logits_indices
-        return (torch.tensor(batch.token_ids, device=self.device),
-                torch.tensor(batch.positions, device=self.device),
-                torch.tensor(batch.logits_indices, device=self.device, dtype=torch.long))
-
-    def _decode_graph_rows(self, batch: Batch) -> int | None:
-        """The compiled decode graph's row count for this step; None: not a step it runs."""
-        if self.compiled is None or not self.compiled.active or not _one_token_rows(batch):
-            return None
-        return self.compiled.decode_bucket(batch.num_seqs)
-
-    def _decode_graph_logits(self, batch: Batch, rows: int) -> torch.Tensor | None:
-        local = self.compiled.decode_logits(batch, self.cache, self.kv_head_of_q_device, rows)
+    def _gathered(self, local: torch.Tensor, batch: Batch) -> torch.Tensor | None:
+        """A decode graph's logits rows that sample, gathered over the vocabulary to rank 0."""
         if not batch.logits_indices:  # every rank sees the same batch: all skip the gather
             return None
         # a decode step samples every sequence, i.e. the graph's first rows: no index copy
@@ -220,55 +161,19 @@ class Worker:
         logits = self.model.lm_head.gather(local)
         return None if logits is None else logits.float()
 
-    def _hidden_states(self, token_ids: torch.Tensor, positions: torch.Tensor, ctx):
-        """(hidden, residual, the graph that ran them: "" when eager)."""
-        if (self.compiled is not None and self.compiled.runs_layers(len(token_ids))
-                and isinstance(ctx, StepContext)):
-            return *self.compiled.hidden_states(token_ids, positions, ctx), "layers"
-        return *self.model.hidden_states(token_ids, positions, ctx), ""
+    def info(self) -> RankInfo:
+        heads = self.shard.heads
+        return RankInfo(self.rank, heads.q_heads, heads.kv_heads, self.shard.ffn, self.shard.vocab,
+                        sum(p.numel() * p.element_size() for p in self.model.parameters())
+                        + self.decode_bytes,
+                        self.plan.kv_bytes_per_token(heads.num_kv_heads), self.cache.num_blocks,
+                        self.cache.nbytes, os.getpid(),
+                        self.compiled is not None and self.compiled.usable, self.warmup_s,
+                        self.load_s, self.digest.seconds)
 
-    @staticmethod
-    def step_clocks() -> tuple[float, float, float]:
-        """Host time, exposed and total collective seconds now: a step's starting marks."""
-        return time.perf_counter(), comm.CLOCK.seconds, comm.CLOCK.busy_seconds
-
-    def step_result(self, started: tuple[float, float, float],
-                    score=None) -> StepResult | None:
-        """Rank 0's result for a step begun at `started` (from `step_clocks`): the forward's time
-        and its exposed and total collective time; None on the other ranks."""
-        if self.rank != 0:  # only rank 0 answers: the others queue the next step at once
-            comm.CLOCK.discard()
-            return None
-        if self.plan.on_cuda:  # the timers read host time: let the device catch up first
-            torch.cuda.synchronize(self.device)
-        comm.CLOCK.settle()
-        start, exposed, busy = started
-        result = StepResult([], None, time.perf_counter() - start, comm.CLOCK.seconds - exposed,
-                            score=score)
-        result.comm_total_s = comm.CLOCK.busy_seconds - busy
-        return result
-
-    def _sample(self, logits: torch.Tensor, batch: Batch, result: StepResult) -> None:
-        """Fill `result` with one token per row. A row of NaN/Inf would "sample" garbage: it is
-        flagged and sampled from a safe stand-in, so one bad request fails alone."""
-        start = time.perf_counter()
-        result.nonfinite_rows = (~torch.isfinite(logits).all(-1)).nonzero().flatten().tolist()
-        safe = logits.nan_to_num(0.0, 0.0, 0.0) if result.nonfinite_rows else logits
-        try:
-            result.token_ids = self.sampler(safe, batch.sampling)
-        except Exception:  # noqa: BLE001  one request's settings: find it, spare the others
-            result.token_ids = [self._sample_row(safe, i, spec, result)
-                                for i, spec in enumerate(batch.sampling)]
-        result.logits = logits if batch.return_logits else None
-        result.sample_s = time.perf_counter() - start
-
-    @staticmethod
-    def _sample_row(logits: torch.Tensor, row: int, spec: SamplingSpec, result: StepResult) -> int:
-        try:
-            return sample(logits[row:row + 1], [spec])[0]
-        except Exception as e:  # noqa: BLE001  reported to the driver as this request's failure
-            result.row_errors[row] = f"{type(e).__name__}: {e}"
-            return 0
+    def weight_digest(self) -> Slices:
+        """The digests of every weight slice this rank loaded (the driver combines them)."""
+        return self.digest.slices
 
     def memory(self) -> dict:
         """This rank's resident memory (CPU) or peak allocated memory (CUDA), in bytes."""
@@ -281,7 +186,10 @@ class Worker:
     def start_tracing(self) -> None:
         if self.compiled is not None:  # the tracer's hooks observe the eager model
             self.compiled.enabled = False
-        self._tracer = OpTracer(self.rank, self.device, {"": self.model, "sampler": self.sampler})
+        roots = [("", self.model), ("sampler", self.sampler)]
+        if self.decode_model is not None:  # decode steps run the view with the decode weights
+            roots.append(("", self.decode_model))
+        self._tracer = OpTracer(self.rank, self.device, roots, self.tp.world_size())
         self._tracer.__enter__()
 
     def stop_tracing(self) -> list[dict]:
@@ -297,7 +205,7 @@ class Worker:
     def read_kv(self, layer: int, block_table: list[int], length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's K/V of one sequence ([length, local kv heads, d]), for inspection."""
         if self.context is not None:  # cp > 1: the positions this rank holds, in order
-            return self.context.read_kv(layer, block_table, length)
+            return self.context.read_kv(self.cache, layer, block_table, length)
         k, v = self.cache.gather(layer, block_table, length)
         return k.cpu(), v.cpu()
 
@@ -338,8 +246,3 @@ def indexed_device(device: str) -> torch.device:
     bare one elsewhere would mean "the current device", whatever another thread set."""
     dev = torch.device(device)
     return torch.device("cuda", dev.index or 0) if dev.type == "cuda" else dev
-
-
-def _one_token_rows(batch: Batch) -> bool:
-    """Every sequence brings one new token and nothing is scored: a decode step's shape."""
-    return batch.num_tokens == batch.num_seqs and not batch.score_indices

@@ -4,15 +4,14 @@ On CUDA they run compiled; on CPU they run under the Triton interpreter (TRITON_
 be set before these modules are imported, because @triton.jit reads it when it decorates).
 
 The kernels are imported on first use (PEP 562), so that importing the package for its
-triton-free parts (step_metadata, config) neither imports triton nor fixes the interpreter
+triton-free parts (launch_config) neither imports triton nor fixes the interpreter
 setting for the process too early.
 """
 from importlib import import_module
 
 _HOMES = {"triton_attention": "flash_attention", "triton_decode_attention": "decode_attention",
           "triton_kv_store": "kv_store", "triton_rmsnorm": "rmsnorm", "triton_rope": "rope",
-          "triton_silu_mul": "silu_mul", "StepMetadata": "step_metadata",
-          "build_step_metadata": "step_metadata"}
+          "triton_silu_mul": "silu_mul"}
 
 __all__ = sorted(_HOMES)
 

@@ -19,7 +19,7 @@ import triton.language as tl
 from engine.rank.kernels.interpreter import needs_fp32_dot
 from engine.rank.kernels.online_softmax import LOG2E, dot_precision, fold_tile
 from engine.rank.kernels.paging import load_kv_tile
-from engine.rank.kernels.step_metadata import as_step_metadata, decode_kv_per_split
+from engine.rank.step_metadata import StepMetadata, decode_kv_per_split
 from engine.rank.kv_cache import KVCache
 
 
@@ -98,16 +98,14 @@ def _decode_merge_kernel(part_acc_ptr, part_m_ptr, part_l_ptr, ctx_ptr, out_ptr,
 
 
 def triton_decode_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                            cache: KVCache, meta, scale: float,
+                            cache: KVCache, step: StepMetadata, scale: float,
                             kv_per_split: int | None = None,
                             block_n: int | None = None) -> torch.Tensor:
     """Same contract as triton_attention when every sequence has exactly one new token:
     q [B, hq, d], k/v [B, hkv, d] (already in the cache). Returns [B, hq, d] in q's dtype.
-    meta: a StepMetadata (built once per step: no host work here) or an AttentionMetadata
-    (converted on every call). kv_per_split overrides the split length: any positive count
+    step: the step's metadata, built once per step (no host work here). kv_per_split overrides the split length: any positive count
     works; a multiple of block_n wastes no loads (the last tile of a split is masked)."""
     num_seqs, num_q_heads, head_dim = q.shape
-    step = as_step_metadata(meta, q.device)
     if step.num_seqs != num_seqs or not (step.is_decode or num_seqs == 0):
         raise ValueError(f"decode attention takes one new token per sequence; got {num_seqs} "
                          f"queries for cu_seqlens_q {step.cu_seqlens_q}: use triton_attention")

@@ -29,13 +29,12 @@ import torch
 import triton
 import triton.language as tl
 
-from engine.rank.attention import AttentionMetadata
 from engine.rank.kernels.launch_config import (GPU_DEFAULTS, PREFILL_TUNE_SPACE, KernelDefaults,
                                         tune_bucket)
 from engine.rank.kernels.interpreter import needs_fp32_dot
 from engine.rank.kernels.online_softmax import LOG2E, dot_precision, fold_tile
 from engine.rank.kernels.paging import load_kv_tile
-from engine.rank.kernels.step_metadata import as_step_metadata
+from engine.rank.step_metadata import StepMetadata
 from engine.rank.kv_cache import KVCache
 
 
@@ -173,19 +172,17 @@ _TUNE_CONFIGS = _flash_prefill_tuned.configs
 
 
 def triton_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     cache: KVCache, meta, scale: float,
+                     cache: KVCache, step: StepMetadata, scale: float,
                      block_m: int | None = None, block_n: int | None = None,
                      autotune: bool | None = None,
                      defaults: KernelDefaults | None = None) -> torch.Tensor:
     """q: [T, hq, d] for the new tokens, whose K/V (k/v: [T, hkv, d]) are already in the cache.
-    meta: a StepMetadata (built once per step: no host work here) or an AttentionMetadata
-    (converted on every call). Returns the causal attention of the new tokens over their whole
+    step: the step's metadata, built once per step (no host work here). Returns the causal attention of the new tokens over their whole
     context, [T, hq, d] in q's dtype. Tile sizes: block_m/block_n if given, else autotuned on
     CUDA (autotune=None) or `defaults` (the step's, i.e. the device's, when None)."""
     num_tokens, num_q_heads, head_dim = q.shape
     assert q.stride(-1) == 1, "head dim must be contiguous"
     out = torch.empty((num_tokens, num_q_heads, head_dim), dtype=q.dtype, device=q.device)
-    step = as_step_metadata(meta, q.device)
     if num_tokens == 0 or step.num_seqs == 0:
         return out
     defaults = defaults or step.defaults
@@ -218,7 +215,7 @@ def triton_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
 
 
 def paged_attention_reference(layer: int, q: torch.Tensor, cache: KVCache,
-                              meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                              meta: StepMetadata, scale: float) -> torch.Tensor:
     """Plain-torch causal attention of the new queries over the paged cache (K/V already stored):
     explicit gather through the block table, fp32 scores and softmax."""
     k_cache, v_cache = cache.layer(layer)

@@ -1,5 +1,5 @@
 """Reading K/V through the block table: the paged-cache lookup both attention kernels share.
-(The block tables themselves reach the device in engine.rank.kernels.step_metadata.)"""
+(The block tables themselves reach the device in engine.rank.step_metadata.)"""
 from __future__ import annotations
 
 import triton

@@ -6,8 +6,8 @@ layer costs a few host->device copies per layer and keeps the host and the GPU i
 (and rules out CUDA graphs), so this module does it once: all the integers go into ONE int32
 host tensor, pinned on CUDA, copied with one non-blocking transfer; each field is a view of it.
 
-Usage, once per step on each rank (then pass the result wherever an AttentionMetadata goes; it
-has the same fields, so the torch backend reads it too):
+Usage, once per step on each rank (the worker does it, in `Worker.prepare`; every backend reads
+the result: the torch backend its host lists and device table, the Triton kernels the rest):
 
     step = build_step_metadata(batch.cu_seqlens_q, batch.context_lens, batch.block_tables,
                                batch.slot_mapping, kv_head_of_q_list, device,
@@ -37,7 +37,7 @@ def _next_power_of_2(n: int) -> int:
 
 @dataclass(slots=True)
 class StepMetadata:
-    # the AttentionMetadata fields, so any attention implementation can take this object
+    # the scheduler's lists, for the torch backend's per-sequence loop
     cu_seqlens_q: list[int]
     context_lens: list[int]
     block_tables: list[list[int]]
@@ -170,13 +170,3 @@ def build_step_metadata(cu_seqlens_q: list[int], context_lens: list[int],
         max_kv=max_kv, num_kv_heads=num_kv_heads, group_width=group_width, is_decode=is_decode,
         decode_kv_per_split=per_split, defaults=defaults, token_ids=views.get("token_ids"),
         positions=views.get("positions"), logits_indices=views.get("logits_indices"))
-
-
-def as_step_metadata(meta, device: torch.device) -> StepMetadata:
-    """`meta` itself when it is a StepMetadata; an AttentionMetadata is converted here, which is
-    the old per-layer cost, kept so existing callers work unchanged."""
-    if isinstance(meta, StepMetadata):
-        return meta
-    return build_step_metadata(meta.cu_seqlens_q, meta.context_lens, meta.block_tables,
-                               meta.slot_mapping, meta.kv_head_of_q, device,
-                               uniform_groups=meta.uniform_groups)
