@@ -4,7 +4,9 @@ split by position (see cp_layout), attention assembled across ranks.
 Each step, every rank reads the same batch and keeps its share of it: its two chunks of every
 whole prompt, and every decode token (a decode row is one token; all context ranks compute it,
 so its hidden state needs no exchange). The layers run unchanged on those rows: this module is
-a `Backend`'s kv_store and attention, reading a `CPMetadata` where the plain metadata goes.
+a `Backend`'s kv_store and attention, reading a `CPMetadata` where the plain metadata goes, and
+`ContextParallelSteps`, which builds each step's context of this rank's rows and gathers the
+logits rows of every context rank to rank 0 after the forward.
 
 - prompt rows: each rank's new K/V travel round the context ranks (parallel/ring.py), each
   rank attends its queries to every chunk as it passes, partials merged by log-sum-exp;
@@ -13,12 +15,17 @@ a `Backend`'s kv_store and attention, reading a `CPMetadata` where the plain met
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
 
-from parallel import cp_layout as L
+from engine.batch import Batch
+from engine.rank.backend import Backend
+from engine.rank.kv_cache import KVCache
+from engine.rank.step_context import StepContext, step_mode
 from parallel import context as cpc
+from parallel import cp_layout as L
 from parallel.ring import Segment, lse_merge, partial_attention, ring_attention
 
 
@@ -142,3 +149,52 @@ def cp_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         merged = lse_merge(outs, lses)
         out[[row for row, _, _ in meta.decodes]] = merged.to(q.dtype)
     return out
+
+
+def context_parallel_backend(base: Backend) -> Backend:
+    """`base` with the KV store and attention that know the cache is split by position."""
+    return dataclasses.replace(base, name=f"{base.name}+cp", kv_store=cp_kv_store,
+                               attention=cp_attention, decode_attention=cp_attention)
+
+
+class ContextParallelSteps:
+    """What context parallelism adds to a rank's runner: its own rows of each step, and the
+    gather of the logits rows after the forward."""
+
+    def __init__(self, groups: cpc.Groups, backend: Backend, kv_head_of_q: torch.Tensor,
+                 block_size: int, vocab_size: int):
+        self.groups, self.kv_head_of_q = groups, kv_head_of_q
+        self.block_size, self.vocab_size = block_size, vocab_size
+        self.ops = backend.step_ops(decode=False)  # one attention for prompt and decode rows
+        self.prompt_lens: dict[int, int] = {}  # first block -> prompt length, per live sequence
+
+    def prepare(self, batch: Batch, cache: KVCache) -> StepContext:
+        device = self.kv_head_of_q.device
+        step = build_local_step(batch, self.groups, self.prompt_lens, self.kv_head_of_q,
+                                self.block_size, device)
+        ids = torch.tensor([batch.token_ids[r] if r >= 0 else 0 for r in step.rows],
+                           device=device)
+        rows = torch.tensor(step.logits_rows, device=device, dtype=torch.long)
+        return StepContext(step_mode(batch), ids, step.meta.positions, rows, cache, step.meta,
+                           self.ops)
+
+    def gather_logits(self, logits: torch.Tensor | None, meta: CPMetadata) -> torch.Tensor | None:
+        """Every logits row of the batch on rank 0, in batch order (None elsewhere, or when the
+        step samples nothing); each TP group's rank 0 holds its context rank's rows."""
+        g = self.groups
+        if not meta.providers or g.tp_rank != 0:
+            return None
+        counts = [sum(1 for r, _ in meta.providers if r == c) for c in range(g.cp)]
+        if logits is None:
+            logits = torch.empty(0, self.vocab_size, device=self.kv_head_of_q.device)
+        parts = cpc.gather_rows_to_first(logits, counts, g.cp_group, g.clock)
+        if parts is None:
+            return None
+        return torch.stack([parts[rank][n] for rank, n in meta.providers])
+
+    def read_kv(self, cache: KVCache, layer: int, block_table: list[int], length: int):
+        """The K/V this rank holds of positions [0, length) of one sequence, in position order."""
+        prompt_len = self.prompt_lens.get(block_table[0], length)
+        held = L.local_count(length, prompt_len, self.groups.cp, self.groups.cp_rank)
+        k, v = cache.gather(layer, block_table, held)
+        return k.cpu(), v.cpu()

@@ -18,7 +18,7 @@ from engine.observe.tracer import OpTracer
 from engine.plan import EnginePlan, RankInfo
 from engine.rank.backend import select_backend
 from engine.rank.compiled import CompiledModel
-from engine.rank.cp_runner import ContextParallelSteps, context_parallel_backend
+from engine.rank.context_parallel import ContextParallelSteps, context_parallel_backend
 from engine.rank.decode_weights import decode_view
 from engine.rank.host_memory import keep_freed_memory
 from engine.rank.kernels.launch_config import tuning_steps
