@@ -233,6 +233,29 @@ def test_every_module_the_pages_name_exists():
     assert not missing, missing
 
 
+def anchor(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def broken_links(page: Path) -> list[str]:
+    broken = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+        if target.startswith(("http://", "https://")):
+            continue
+        file, _, fragment = target.partition("#")
+        linked = (page.parent / file).resolve() if file else page
+        headings = re.findall(r"^#+ (.*)$", linked.read_text(), re.M) if linked.is_file() else []
+        if not linked.exists() or (fragment and fragment not in map(anchor, headings)):
+            broken.append(target)
+    return broken
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_links_lead_to_a_file_and_heading(page):
+    assert not broken_links(page)
+
+
 def test_a_wrong_command_is_caught():
     """The checks above can fail: a misspelt key, a renamed module, a marker naming no test."""
     from hydra.errors import ConfigCompositionException
@@ -244,3 +267,8 @@ def test_a_wrong_command_is_caught():
     wrong = Block(page, "run by tests/test_serve.py::test_no_such_test", ("true",))
     with pytest.raises(AssertionError, match="does not exist"):
         test_a_marked_block_names_a_test_that_reads_it(wrong)
+
+
+def test_a_wrong_link_is_caught(tmp_path):
+    (tmp_path / "page.md").write_text("# A heading\n[ok](#a-heading) [no](#b) [gone](other.md)\n")
+    assert broken_links(tmp_path / "page.md") == ["#b", "other.md"]
