@@ -138,10 +138,13 @@ def _untracked() -> set[str]:
 
 
 def _run(command: str) -> subproc.Result:
+    """The command's result; one that outlives its timeout fails alone, not the others."""
     tmp = subproc.ray_tmpdir()
     try:
         return subproc.run(["bash", "-c", as_run_here(command)], timeout=COMMAND_TIMEOUT_S,
                            env=subproc.isolated_env(tmp))
+    except AssertionError as timed_out:  # subproc.run's report, with the output so far
+        return subproc.Result([command], -1, "", str(timed_out), COMMAND_TIMEOUT_S)
     finally:
         subproc.remove(tmp)
 
