@@ -26,3 +26,14 @@ def _cpu() -> str:
 
 def machine() -> str:
     return f"{_cpu()}, {torch.get_num_threads()} torch threads, torch {torch.__version__}"
+
+
+def print_table(title: str, header: list[str], rows: list[list]) -> None:
+    """A plain text table: the title, then the header and rows right-aligned in columns."""
+    widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
+    line = "  ".join("-" * w for w in widths)
+    print(f"\n{title}\n{line}\n" + "  ".join(h.rjust(w) for h, w in zip(header, widths)))
+    print(line)
+    for r in rows:
+        print("  ".join(str(c).rjust(w) for c, w in zip(r, widths)))
+    print(line, flush=True)

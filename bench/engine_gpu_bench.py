@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from bench.common import print_table
+
 LLAMA3_8B_LAYERS = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
                         num_key_value_heads=8, vocab_size=32000, rope_theta=500000.0)
 TINY = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
@@ -149,18 +151,14 @@ def _settings(args, device: torch.device, max_len: int, per_token: int) -> dict:
 
 
 def compile_rows(path: str, settings: dict, args, device: torch.device) -> dict:
-    """compile=True beside the eager figures, when this engine has the setting."""
+    """compile=True beside the eager figures: start-up (compile, autotune, graph capture) and
+    prefill."""
     from engine import LLM
 
     start = time.perf_counter()
-    try:
-        llm = LLM(path, **settings, compile=True)
-    except Exception as e:  # the setting may not exist yet in this engine
-        return {"available": False, "reason": f"{type(e).__name__}: {e}"[:300]}
-    with llm:
+    with LLM(path, **settings, compile=True) as llm:
         startup = time.perf_counter() - start
-        return {"available": True, "startup_s": startup,
-                "prefill": prefill_rows(llm, args, device, None)}
+        return {"startup_s": startup, "prefill": prefill_rows(llm, args, device, None)}
 
 
 def bench_engine(args, device: torch.device, report: dict) -> dict:
@@ -204,8 +202,6 @@ def bench_engine(args, device: torch.device, report: dict) -> dict:
 
 
 def _print(out: dict, peak: float | None) -> None:
-    from bench.kernel_bench import print_table
-
     m = out["model"]
     rows = [[r["tokens"], f"{r['ms']:.2f}", f"{r['tok_per_s']:,.0f}", f"{r['tflops']:.3g}",
              f"{100 * r['mfu']:.1f}%" if r["mfu"] else "n/a"] for r in out["prefill"]]

@@ -30,6 +30,8 @@ if not ON_CUDA:  # triton reads this when the kernels are decorated, i.e. at the
 
 import triton  # noqa: E402
 
+from bench.common import print_table  # noqa: E402
+from bench.engine_gpu_bench import add_args, bench_engine  # noqa: E402
 from engine.rank.kernels import triton_attention, triton_decode_attention  # noqa: E402
 from engine.rank.kernels.flash_attention import _flash_prefill_tuned  # noqa: E402
 from engine.rank.step_metadata import build_step_metadata  # noqa: E402
@@ -67,16 +69,6 @@ def time_ms(fn: Callable[[], object], device: torch.device, warmup: int, iters: 
         end.record()
     torch.cuda.synchronize(device)
     return statistics.median(start.elapsed_time(end) for start, end in events)
-
-
-def print_table(title: str, header: list[str], rows: list[list]) -> None:
-    widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
-    line = "  ".join("-" * w for w in widths)
-    print(f"\n{title}\n{line}\n" + "  ".join(h.rjust(w) for h, w in zip(header, widths)))
-    print(line)
-    for r in rows:
-        print("  ".join(str(c).rjust(w) for c, w in zip(r, widths)))
-    print(line, flush=True)
 
 
 def tflops(flops: float, ms: float) -> float:
@@ -238,7 +230,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--decode-seqs", type=int, default=None)
     ap.add_argument("--json", help="write every figure here")
     ap.add_argument("--skip-engine", action="store_true")
-    from bench.engine_gpu_bench import add_args
     add_args(ap)
     args = ap.parse_args(argv)
     small = args.cpu_dry_run or not ON_CUDA
@@ -259,7 +250,6 @@ def main(argv: list[str] | None = None) -> None:
     sections = [("matmul_peak", lambda: matmul_peak(device, dtype, args.peak_n, args)),
                 ("attention", lambda: bench_attention(args, device, dtype))]
     if not args.skip_engine:
-        from bench.engine_gpu_bench import bench_engine
         sections.append(("engine", lambda: bench_engine(args, device, report)))
     for name, run in sections:
         start = time.perf_counter()

@@ -29,37 +29,105 @@ def _run(llm: LLM) -> tuple[list[torch.Tensor], list[list[int]]]:
 
 @pytest.fixture(scope="module")
 def llama(tiny_model_dir):
-    path = str(tiny_model_dir("llama"))
-    with LLM(path, compile=False, **SETTINGS) as eager:
-        return path, _run(eager)
+    return str(tiny_model_dir("llama"))
+
+
+@pytest.fixture(scope="module")
+def eager(llama):
+    """The reference: the same engine without compile, shared by the tests below."""
+    with LLM(llama, compile=False, **SETTINGS) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def compiled(llama):
+    """One compiled engine for the tests that read it (its warm-up is most of their time); each
+    sends prompts of its own, so none hits another's prefix."""
+    with LLM(llama, compile=True, **SETTINGS) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def want(eager):
+    return _run(eager)
 
 
 @pytest.mark.parametrize("tp", [1, 2])
-def test_compiled_matches_eager(request, llama, tp):
+def test_compiled_matches_eager(request, llama, want, tp):
+    want_logits, want_tokens = want
     if tp > 1:
         request.getfixturevalue("ray_cluster")
-    path, (want_logits, want_tokens) = llama
-    with LLM(path, tp=tp, compile=True, **SETTINGS) as llm:
-        assert all(info.compiled and info.warmup_s > 0 for info in llm.rank_info())
-        logits, tokens = _run(llm)
-        assert llm.cache_stats()["prefix_hit_tokens"] > 0
-        graphs = {(t.graph, t.num_seqs) for t in llm.step_timings() if t.num_tokens == t.num_seqs}
-        assert ("decode-4", 3) in graphs and ("decode-8", 5) in graphs, graphs
-        assert "layers" in {t.graph for t in llm.step_timings()}
-        with llm.tracing() as records:  # the walkthrough's path: eager, hooks see every op
-            llm.prefill([PROMPTS[3]])
-        assert {"qkv_proj", "attention", "down_proj"} <= {r["name"] for r in records}
-        assert llm.step_timings()[-1].graph == ""  # the tracer's step: eager
-        assert [g.token_ids for g in llm.generate(PROMPTS[:2], GREEDY)] == want_tokens[:2]
-        assert llm.step_timings()[-1].graph == "decode-2"
-    for got, want in zip(logits, want_logits):
-        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        with LLM(llama, tp=tp, compile=True, **SETTINGS) as llm:
+            _check_compiled_run(llm, want_logits, want_tokens)
+    else:
+        _check_compiled_run(request.getfixturevalue("compiled"), want_logits, want_tokens)
+
+
+def _check_compiled_run(llm: LLM, want_logits: list[torch.Tensor], want_tokens: list[list[int]]):
+    assert all(info.compiled and info.warmup_s > 0 for info in llm.rank_info())
+    logits, tokens = _run(llm)
+    assert llm.cache_stats()["prefix_hit_tokens"] > 0
+    graphs = {(t.graph, t.num_seqs) for t in llm.step_timings() if t.num_tokens == t.num_seqs}
+    assert ("decode-4", 3) in graphs and ("decode-8", 5) in graphs, graphs
+    assert "layers" in {t.graph for t in llm.step_timings()}
+    with llm.tracing() as records:  # the walkthrough's path: eager, hooks see every op
+        llm.prefill([PROMPTS[3]])
+    assert {"qkv_proj", "attention", "down_proj"} <= {r["name"] for r in records}
+    assert llm.step_timings()[-1].graph == ""  # the tracer's step: eager
+    assert [g.token_ids for g in llm.generate(PROMPTS[:2], GREEDY)] == want_tokens[:2]
+    assert llm.step_timings()[-1].graph == "decode-2"
+    for got, expected in zip(logits, want_logits):
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
     assert tokens == want_tokens
 
 
-def test_compile_failure_falls_back_to_eager(llama, caplog, monkeypatch):
+def test_wide_decode_steps_run_the_layers_graph(eager, compiled):
+    """A decode step of more sequences than the largest bucket runs the dynamic-length graph,
+    and gives eager's tokens."""
+    prompts = [random_token_ids(3 + i, 300, seed=100 + i) for i in range(10)]
+    few = SamplingParams(max_tokens=4, ignore_eos=True)
+    want = [g.token_ids for g in eager.generate(prompts, few)]
+    before = len(compiled.step_timings())
+    got = [g.token_ids for g in compiled.generate(prompts, few)]
+    decode_steps = [t for t in compiled.step_timings()[before:] if t.num_tokens == t.num_seqs == 10]
+    assert decode_steps and {t.graph for t in decode_steps} == {"layers"}
+    assert got == want
+
+
+def test_nothing_compiles_inside_requests(eager, compiled):
+    """After the warm-up, steps of every kind (prompts of 1, 2 and 3 tokens, chunks, decode
+    batches of each bucket, a prefix hit, scoring) run without compiling anything, and give
+    eager's tokens (a 2-token prompt step once hit a recompile that failed the request)."""
+    from torch._dynamo.utils import counters
+
+    prompts = [random_token_ids(n, 300, seed=200 + n) for n in (1, 2, 3, 17, 70)]
+    few = SamplingParams(max_tokens=6, ignore_eos=True)
+    want = [g.token_ids for g in eager.generate(prompts, few)]
+    want_one = eager.generate([prompts[1]], few)[0].token_ids
+    graphs_before = counters["stats"]["unique_graphs"]
+    got = [g.token_ids for g in compiled.generate(prompts, few)]
+    got_one = compiled.generate([prompts[1]], few)[0].token_ids  # its 2-token prompt step alone
+    compiled.score([prompts[3]])
+    assert counters["stats"]["unique_graphs"] == graphs_before
+    assert got == want and got_one == want_one
+
+
+def test_short_context_warms_up_within_it(llama):
+    """The warm-up's made-up steps stay inside max_model_len (they used positions up to 48,
+    so a 16-token engine failed to start, compiled or not)."""
+    prompt, few = random_token_ids(5, 300, seed=7), SamplingParams(max_tokens=6, ignore_eos=True)
+    with LLM(llama, compile=False, max_model_len=16) as eager:
+        want = eager.generate([prompt], few)[0].token_ids
+    with LLM(llama, compile=True, max_model_len=16) as llm:
+        assert llm.rank_info()[0].compiled
+        assert llm.generate([prompt], few)[0].token_ids == want
+        assert {t.graph for t in llm.step_timings()} == {"layers", "decode-1"}
+
+
+def test_compile_failure_falls_back_to_eager(llama, want, caplog, monkeypatch):
     """A backend that cannot compile this setup (here: one that always raises, as inductor does
-    without a working C++ compiler): the engine warns and runs eagerly."""
+    without a working C++ compiler): the engine warns and runs eagerly. Last in this file: it
+    resets dynamo, which the shared compiled engine must not meet afterwards."""
     import torch._dynamo
 
     def broken_backend(graph, example_inputs):
@@ -68,11 +136,11 @@ def test_compile_failure_falls_back_to_eager(llama, caplog, monkeypatch):
     real_compile = torch.compile
     monkeypatch.setattr(torch, "compile",
                         lambda fn, **kwargs: real_compile(fn, backend=broken_backend, dynamic=True))
-    path, (want_logits, want_tokens) = llama
+    want_logits, want_tokens = want
     torch._dynamo.reset()  # compile afresh, with the broken backend
     try:
         with caplog.at_level(logging.WARNING, logger="engine"):
-            with LLM(path, compile=True, **SETTINGS) as llm:
+            with LLM(llama, compile=True, **SETTINGS) as llm:
                 assert not llm.rank_info()[0].compiled
                 logits, tokens = _run(llm)
                 assert {t.graph for t in llm.step_timings()} == {""}
@@ -81,52 +149,3 @@ def test_compile_failure_falls_back_to_eager(llama, caplog, monkeypatch):
     assert "running eagerly instead" in caplog.text
     assert tokens == want_tokens
     torch.testing.assert_close(logits[0], want_logits[0], atol=1e-5, rtol=1e-5)
-
-
-def test_wide_decode_steps_run_the_layers_graph(llama):
-    """A decode step of more sequences than the largest bucket runs the dynamic-length graph,
-    and gives eager's tokens."""
-    path, _ = llama
-    prompts = [random_token_ids(3 + i, 300, seed=100 + i) for i in range(10)]
-    few = SamplingParams(max_tokens=4, ignore_eos=True)
-    with LLM(path, compile=False) as eager:
-        want = [g.token_ids for g in eager.generate(prompts, few)]
-    with LLM(path, compile=True) as llm:
-        got = [g.token_ids for g in llm.generate(prompts, few)]
-        decode_steps = [t for t in llm.step_timings() if t.num_tokens == t.num_seqs == 10]
-    assert decode_steps and {t.graph for t in decode_steps} == {"layers"}
-    assert got == want
-
-
-def test_nothing_compiles_inside_requests(llama):
-    """After the warm-up, steps of every kind (prompts of 1, 2 and 3 tokens, chunks, decode
-    batches of each bucket, a prefix hit, scoring) run without compiling anything, and give
-    eager's tokens (a 2-token prompt step once hit a recompile that failed the request)."""
-    from torch._dynamo.utils import counters
-
-    path, _ = llama
-    prompts = [random_token_ids(n, 300, seed=200 + n) for n in (1, 2, 3, 17, 70)]
-    few = SamplingParams(max_tokens=6, ignore_eos=True)
-    with LLM(path, compile=False, **SETTINGS) as eager:
-        want = [g.token_ids for g in eager.generate(prompts, few)]
-        want_one = eager.generate([prompts[1]], few)[0].token_ids
-    with LLM(path, compile=True, **SETTINGS) as llm:
-        graphs_before = counters["stats"]["unique_graphs"]
-        got = [g.token_ids for g in llm.generate(prompts, few)]
-        got_one = llm.generate([prompts[1]], few)[0].token_ids  # its 2-token prompt step alone
-        llm.score([prompts[3]])
-        assert counters["stats"]["unique_graphs"] == graphs_before
-    assert got == want and got_one == want_one
-
-
-def test_short_context_warms_up_within_it(llama):
-    """The warm-up's made-up steps stay inside max_model_len (they used positions up to 48,
-    so a 16-token engine failed to start, compiled or not)."""
-    path, _ = llama
-    prompt, few = random_token_ids(5, 300, seed=7), SamplingParams(max_tokens=6, ignore_eos=True)
-    with LLM(path, compile=False, max_model_len=16) as eager:
-        want = eager.generate([prompt], few)[0].token_ids
-    with LLM(path, compile=True, max_model_len=16) as llm:
-        assert llm.rank_info()[0].compiled
-        assert llm.generate([prompt], few)[0].token_ids == want
-        assert {t.graph for t in llm.step_timings()} == {"layers", "decode-1"}

@@ -1,5 +1,8 @@
-"""How a person starts the engine: the Hydra app, the `prefill` console script, and Ray clusters
-started with `ray start` (joined through $RAY_ADDRESS, or given a job with `ray job submit`).
+"""How a person starts the engine: the Hydra app's refusals, the `prefill` console script from
+outside the repository, and `ray_head`, a `ray start` cluster for the tests that need one. The apps'
+commands as the docs write them run in tests/test_docs_commands.py; joining a `ray start` cluster
+through $RAY_ADDRESS and `ray job submit` run, as docs/scaling.md writes them, in
+tests/test_readme_job.py.
 
 Everything runs in subprocesses, each in its own session with its own $RAY_TMPDIR (see
 tests/subproc.py), so the pytest session's own Ray (the `ray_cluster` fixture) is never joined nor
@@ -8,12 +11,10 @@ whatever is left of its session is killed: never `ray stop`, which stops every R
 """
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
 import sys
 import time
-import uuid
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -24,7 +25,6 @@ from tests.subproc import BIN, ROOT
 
 PROMPT = "The capital of France is"
 APP_TIMEOUT_S = 240      # one app run: model load, (a local Ray), prefill, a few decode steps
-RAY_APP_TIMEOUT_S = 360  # the same with tp=2 rank actors
 HEAD_START_TIMEOUT_S = 90
 
 
@@ -45,28 +45,6 @@ def _assert_paris(r: subproc.Result) -> None:
 
 
 # ---- the Hydra app -----------------------------------------------------------------------------
-
-def test_generate_app_prints_first_token_and_ttft():
-    r = _app([f"prompt={PROMPT}", "chat=false", "max_tokens=4"])
-    _assert_paris(r)
-    assert "tp=1" in r.stdout
-
-
-def test_generate_app_uses_the_chat_template_by_default():
-    """An instruct model answers a question asked its way: the prompt goes through the
-    template the GGUF ships (the system turn is the template's own default)."""
-    r = _app(["prompt=What is the capital of France?", "max_tokens=12"])
-    assert r.returncode == 0, r.explain()
-    assert "<|im_start|>user\nWhat is the capital of France?<|im_end|>" in r.stdout, r.explain()
-    assert "Paris" in r.stdout.split("<|im_start|>assistant")[-1], r.explain()
-
-
-def test_generate_app_tp2_starts_its_own_local_ray():
-    r = _app([f"prompt={PROMPT}", "chat=false", "max_tokens=4", "parallel.tp=2"], timeout=RAY_APP_TIMEOUT_S)
-    _assert_paris(r)
-    assert "tp=2" in r.stdout
-    assert "Started a local Ray instance" in r.stderr, r.explain()
-
 
 def test_generate_app_rejects_an_unknown_key():
     r = _app(["engine.not_a_key=1"], timeout=120)
@@ -162,38 +140,3 @@ def ray_head(dashboard: bool):
             proc.wait()
         subproc.remove(tmp)
     assert not leaked, f"the head left processes running: {leaked}"
-
-
-def test_app_joins_a_ray_start_cluster_through_ray_address():
-    with ray_head(dashboard=False) as head:
-        env = dict(head.env, RAY_ADDRESS=head.gcs_address)
-        r = subproc.run([sys.executable, "-m", "launcher.generate", f"prompt={PROMPT}", "chat=false",
-                         "max_tokens=4", "parallel.tp=2"], timeout=RAY_APP_TIMEOUT_S, env=env)
-    _assert_paris(r)
-    assert "Connecting to existing Ray cluster" in r.stderr, r.explain()
-    assert "Started a local Ray instance" not in r.stderr, r.explain()
-
-
-def test_ray_job_submit_runs_the_app_on_the_cluster():
-    import ray._private.utils as ray_utils
-
-    # the project depends on ray[default]; without the dashboard there is no job server
-    assert ray_utils.get_dashboard_dependency_error() is None
-    job = f"prefill-test-{uuid.uuid4().hex[:8]}"
-    ray_cli = str(BIN / "ray")
-    with ray_head(dashboard=True) as head:
-        # `python` is the head's: its PATH starts with this virtualenv's bin (as after `activate`).
-        submit = subproc.run(
-            [ray_cli, "job", "submit", "--address", head.dashboard_url, "--submission-id", job,
-             "--working-dir", ".",
-             "--runtime-env-json", json.dumps({"excludes": [".venv", ".git", ".pytest_cache"]}),
-             "--", "python", "-m", "launcher.generate", f"prompt={PROMPT}", "chat=false", "max_tokens=4",
-             "parallel.tp=2"],
-            timeout=RAY_APP_TIMEOUT_S + 120, env=head.env)
-        status = subproc.run([ray_cli, "job", "status", "--address", head.dashboard_url, job],
-                             timeout=60, env=head.env)
-        logs = subproc.run([ray_cli, "job", "logs", "--address", head.dashboard_url, job],
-                           timeout=60, env=head.env)
-    assert submit.returncode == 0, submit.explain()
-    assert "succeeded" in (status.stdout + status.stderr).lower(), status.explain()
-    assert "' Paris'" in logs.stdout and "TTFT" in logs.stdout, logs.explain() + submit.explain()

@@ -1,6 +1,6 @@
-"""The README's "On a Ray cluster, and as a Ray job" commands, run as a new user would type them.
+"""docs/scaling.md's "On a Ray cluster, and as a Ray job" commands, run as a new user would type them.
 
-The block is read from README.md and run by bash in a fresh environment (no RAY_AUTH_MODE, no
+The block is read from docs/scaling.md and run by bash in a fresh environment (no RAY_AUTH_MODE, no
 RAY_ADDRESS, a private $RAY_TMPDIR). Three things differ from a person's terminal, and only
 these: the ports are free ones instead of 6379/8265, and the head's dashboard agent gets a free
 port too (this machine is shared with other Ray clusters), `.venv` is this interpreter's
@@ -15,18 +15,20 @@ from pathlib import Path
 
 from tests import subproc
 
-README = Path(__file__).resolve().parents[1] / "README.md"
-HEADING = "### On a Ray cluster, and as a Ray job"
+PAGE = Path(__file__).resolve().parents[1] / "docs" / "scaling.md"
+HEADING = "## On a Ray cluster, and as a Ray job"
 
 
-def readme_job_block() -> str:
-    text = README.read_text()
+def doc_job_block() -> str:
+    text = PAGE.read_text()
     section = text[text.index(HEADING):]
     return re.search(r"```bash\n(.*?)```", section, re.S).group(1)
 
 
-def test_readme_job_commands_work_as_written():
-    block = readme_job_block()
+def test_doc_job_commands_work_as_written():
+    """Both ways onto a `ray start` cluster: an app joining it through $RAY_ADDRESS (it must not
+    start a Ray of its own) and a submitted job (it must succeed, its app's table in its log)."""
+    block = doc_job_block()
     assert "ray job submit" in block and "ray start --head" in block
     gcs, dash, agent = subproc.free_ports(3)
     venv = Path(sys.executable).parent.parent
@@ -43,4 +45,8 @@ def test_readme_job_commands_work_as_written():
         subproc.remove(tmp)
     assert r.returncode == 0, r.explain()
     assert "AuthenticationError" not in r.stdout + r.stderr, r.explain()
-    assert "succeeded" in (r.stdout + r.stderr).lower(), r.explain()
+    said = r.stdout + r.stderr
+    assert "succeeded" in said.lower(), r.explain()
+    assert "Connecting to existing Ray cluster" in said, r.explain()
+    assert "Started a local Ray instance" not in said, r.explain()
+    assert said.count("TTFT") >= 2 and "Paris" in said, r.explain()  # both apps' tables

@@ -204,8 +204,28 @@ def test_invalid_sampling_params_name_the_field(kwargs, field):
         SamplingParams(**kwargs)
 
 
-@pytest.mark.parametrize("kwargs", [
-    {"max_tokens": 1}, {"temperature": 0.0}, {"top_p": 1.0}, {"top_p": 1e-6}, {"top_k": 0},
+GREEDY = [1.0, 0.0, 0.0, 0.0]  # LOGITS' argmax is token 0
+UNIFORM = [0.25] * 4  # softmax(log(p) / 1e6) is within 1e-6 of uniform
+
+
+@pytest.mark.parametrize("kwargs, expected", [
+    ({"max_tokens": 1}, GREEDY), ({"max_tokens": 10**6}, GREEDY),  # temperature 0 by default
+    ({"temperature": 0.0}, GREEDY),
+    ({"temperature": 1e-4}, GREEDY),  # logit gaps >= 0.51 / 1e-4: exp(-5100) is 0 in float32
+    ({"temperature": 1}, PROBS), ({"temperature": 1e6}, UNIFORM),
+    ({"temperature": 1.0, "top_p": 1.0}, PROBS), ({"temperature": 1.0, "top_p": 1}, PROBS),
+    ({"temperature": 1.0, "top_p": 1e-6}, GREEDY),  # the top token alone already covers 1e-6
+    ({"temperature": 1.0, "top_k": 0}, PROBS),  # 0: no top-k filter
+    ({"temperature": 1.0, "seed": 0}, PROBS), ({"temperature": 1.0, "seed": 2**200}, PROBS),
+    ({"temperature": 1.0, "seed": 1_790_000_000_000_000_123}, PROBS),  # a time.time_ns() seed
 ])
-def test_boundary_sampling_params_are_accepted(kwargs):
-    SamplingParams(**kwargs)
+def test_boundary_values_are_accepted_and_sample_their_distribution(kwargs, expected):
+    """Each value at the edge of what SamplingParams accepts is kept as given and draws tokens with
+    the frequencies worked out by hand for LOGITS (probabilities 0.5, 0.3, 0.15, 0.05)."""
+    params = SamplingParams(**kwargs)
+    assert all(getattr(params, k) == v for k, v in kwargs.items())
+    n = 1000
+    drawn = sample(LOGITS.expand(n, -1).contiguous(), [params.spec(step) for step in range(n)])
+    for tok, p in enumerate(expected):
+        # 4 binomial standard errors (a false alarm rate of ~6e-5 per token); exact for p = 0 or 1
+        assert abs(drawn.count(tok) / n - p) <= 4 * math.sqrt(p * (1 - p) / n), (tok, drawn.count(tok), p)

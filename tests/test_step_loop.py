@@ -197,7 +197,7 @@ def test_restart_from_the_step_loop_is_refused():
 
 
 def test_breaking_out_of_a_stream_under_aclosing_frees_its_request(llama, expected):
-    """README's pattern: `async with contextlib.aclosing(llm.stream(...))` drops the request
+    """docs/settings.md's pattern: `async with contextlib.aclosing(llm.stream(...))` drops the request
     at the `break`, while the event loop still runs (not when the generator is collected)."""
     from contextlib import aclosing
 

@@ -43,14 +43,6 @@ def test_bad_sampling_values_are_refused(kwargs, match):
         SamplingParams(**kwargs)
 
 
-@pytest.mark.parametrize("kwargs", [
-    {"temperature": 1e-4}, {"temperature": 1}, {"temperature": 1e6}, {"seed": 0},
-    {"seed": BIG_SEED}, {"seed": 2**200}, {"top_p": 1}, {"max_tokens": 10**6},
-])
-def test_edge_sampling_values_are_accepted(kwargs):
-    SamplingParams(**kwargs)
-
-
 @pytest.mark.parametrize("seed", [2**63 - 1, 2**63, BIG_SEED, 2**64 + 5, 10**40])
 def test_any_seed_samples_deterministically(seed):
     logits = torch.zeros(3, 1000)  # uniform: the generator alone picks the token
