@@ -8,6 +8,7 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import logging
+import threading
 import weakref
 from contextlib import aclosing, contextmanager
 from typing import AsyncIterator, Iterator, Sequence as Seq
@@ -102,6 +103,34 @@ class LLM:
         """Continue requests another engine prefilled (any TP size): pull each handle's K/V,
         re-partitioned for this engine's heads, then decode. Tokens start with the prefill's
         first token, as `generate` on one engine gives them (pass the prefill the same params)."""
+        return [self._output(s) for s in self._wait(self._adopt(handles, params))]
+
+    async def decode_stream(self, handle: KVHandle, params: SamplingParams | None = None
+                            ) -> AsyncIterator[int | GenerateOutput]:
+        """`decode([handle], params)` as a stream, items as `stream_with_output` gives them:
+        each token id (the prefill's first token first) as its step ends, then the
+        GenerateOutput. Closing it early, or cancelling it while the K/V are pulled, cancels the
+        request and frees its blocks here; the source's blocks come back once the pull is done
+        (the handle is used), so a handle whose pull failed is still the caller's to release."""
+        pulled: concurrent.futures.Future = concurrent.futures.Future()
+
+        def pull() -> None:  # a thread of its own: the pull blocks until the K/V are in
+            try:
+                pulled.set_result(self._adopt([handle], params))
+            except BaseException as e:  # noqa: BLE001  raised again by the awaiting reader
+                pulled.set_exception(e)
+        threading.Thread(target=pull, name="engine-kv-pull", daemon=True).start()
+        try:
+            [seq] = await asyncio.shield(asyncio.wrap_future(pulled))
+        except asyncio.CancelledError:  # the pull runs on, even past this event loop's end
+            pulled.add_done_callback(self._cancel_adopted)
+            raise
+        async with aclosing(self._follow(seq)) as items:
+            async for item in items:
+                yield item
+
+    def _adopt(self, handles: Seq[KVHandle], params: SamplingParams | None) -> list[Sequence]:
+        """decode()'s sequences, running here with the handles' K/V pulled."""
         self._refuse_with_cp("decode()")
         params, handles = check_params(params), list(handles)
         self._exports.sync()
@@ -109,9 +138,13 @@ class LLM:
             # its ranks would wait on themselves: they serve the pull from their own blocks
             raise InvalidRequestError("a handle exported by this engine's rank actors: decode it "
                                       "on another engine (or call generate() here)")
-        seqs = adopt(self._core, self.plan, self._fingerprint, handles, params,
+        return adopt(self._core, self.plan, self._fingerprint, handles, params,
                      self.config.step_timeout_s)
-        return [self._output(s) for s in self._wait(seqs)]
+
+    def _cancel_adopted(self, pulled: concurrent.futures.Future) -> None:
+        if pulled.exception() is None:
+            for seq in pulled.result():
+                self._core.cancel(seq)
 
     def release(self, kv: KVHandle) -> None:
         """Give back the blocks of a handle this engine exported and nobody will decode."""
@@ -145,19 +178,37 @@ class LLM:
         """`stream`'s token ids, then the request's GenerateOutput (finish reason, cached
         tokens, TTFT) as the last item. Closing it early cancels the request, freeing its blocks."""
         [seq] = self._sequences([prompt], params)
-        loop, queue = asyncio.get_running_loop(), asyncio.Queue()
+        self._core.submit([seq])
+        async with aclosing(self._follow(seq)) as items:
+            async for item in items:
+                yield item
 
-        def post(item: int | None) -> None:  # from the step loop's thread
+    async def _follow(self, seq: Sequence) -> AsyncIterator[int | GenerateOutput]:
+        """A submitted (or adopted) request's new token ids as its steps end, then its output;
+        cancelled when closed early. It reads the tokens by count, so the ones produced before
+        it listened (an adopted request may step before this starts) are not lost."""
+        loop, woken = asyncio.get_running_loop(), asyncio.Event()
+
+        def wake(_=None) -> None:  # from the step loop's thread
             try:
-                loop.call_soon_threadsafe(queue.put_nowait, item)
+                loop.call_soon_threadsafe(woken.set)
             except RuntimeError:  # a reader that stopped early closed its loop: nobody listens
                 pass
-        seq.on_token = post
-        seq.future.add_done_callback(lambda _: post(None))
-        self._core.submit([seq])
+        seq.on_token = wake
+        seq.future.add_done_callback(wake)
+        woken.set()  # tokens may be in already
+        sent = 0
         try:
-            while (token := await queue.get()) is not None:
-                yield token
+            while True:
+                await woken.wait()
+                woken.clear()
+                done = seq.future.done()  # before reading: no token comes after the future ends
+                new = seq.output_token_ids[sent:]
+                sent += len(new)
+                for token in new:
+                    yield token
+                if done:
+                    break
             yield self._output(seq.future.result())  # a failed request raises here
         finally:
             if not seq.future.done():

@@ -69,6 +69,39 @@ def test_stream_with_output_ends_with_generate_s_output_and_counts_requests(llm)
     wait_until(lambda: _engine_idle(llm), what="the closed stream's request to end")
 
 
+def test_decode_stream_gives_decode_s_tokens_and_a_cancel_frees_both_sides(llm, ray_cluster):
+    """LLM.decode_stream of a handle: generate()'s tokens one by one, then its output; closed
+    early, or cancelled while the K/V are pulled, the request ends and every block (the
+    exported ones included) comes back."""
+    import asyncio
+
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    [want] = llm.generate([PROMPT], params)
+    endless = SamplingParams(max_tokens=2000, ignore_eos=True)
+
+    async def main():
+        [p] = llm.prefill([PROMPT], params, export_kv=True)
+        items = [x async for x in llm.decode_stream(p.kv, params)]
+        [p] = llm.prefill([PROMPT], endless, export_kv=True)
+        stream = llm.decode_stream(p.kv, endless)
+        head = [await anext(stream), await anext(stream)]
+        await stream.aclose()
+        [p] = llm.prefill([PROMPT], endless, export_kv=True)
+        pulling = asyncio.ensure_future(anext(llm.decode_stream(p.kv, endless)))
+        await asyncio.sleep(0.01)  # the pull has started on its thread
+        pulling.cancel()
+        return items, head
+
+    items, head = asyncio.run(main())
+    *tokens, out = items
+    assert tokens == want.token_ids and out.token_ids == want.token_ids
+    assert out.finish_reason == "length" and out.text == want.text
+    assert head == want.token_ids[:2]
+    # 2,000 tokens would take far longer: both cancelled requests ended, their blocks freed
+    wait_until(lambda: _engine_idle(llm) and llm.cache_stats()["kv_handles_pinned"] == 0,
+               timeout=15, what="the cancelled decodes to end")
+
+
 def test_completion_and_chat_equal_generate(llm, client):
     want = _generate(llm, PROMPT, max_tokens=4, temperature=0.0)
     r = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=4, temperature=0)

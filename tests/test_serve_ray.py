@@ -1,41 +1,104 @@
-"""launcher.serve on Ray Serve: two engine deployments behind the ingress, on the session's
-shared Ray cluster, driven by the official `openai` client; the reference is `LLM.generate`."""
+"""launcher.serve on Ray Serve: two engine deployments behind the ingress, and a disaggregated
+prefill + decode pair, on the session's shared Ray cluster, both built from the import path and
+args of launcher/serve/serve.yaml (checked against Ray's own schema), driven by the official
+`openai` client; the reference is `LLM.generate`."""
 from __future__ import annotations
 
 import os
 import signal
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
+import yaml
 
 from engine import SamplingParams
-from launcher.serve.ray_app import PrefixRouter, build_ray_app
+from launcher.serve.ray_app import PrefixRouter
 from tests import subproc
 from tests.serve_util import metric_samples, wait_until
 
 PROMPT = "The capital of France is"
-SERVE_CFG = {"model_name": None, "replicas": 2, "replica_cpus": 0.5, "restart_on_failure": True,
-             "api_key": None, "max_queued": 64}
+SERVE_YAML = Path(__file__).resolve().parents[1] / "launcher" / "serve" / "serve.yaml"
+TEST_OVERRIDES = ["serve.replica_cpus=0.5", "serve.max_queued=64"]
+
+
+def yaml_app(*overrides: str):
+    """The application launcher/serve/serve.yaml describes, as `serve run` builds it: validated
+    by Ray's schema, its import path imported and called with its args, plus `overrides`."""
+    import importlib
+
+    from ray.serve.schema import ServeDeploySchema
+
+    [spec] = ServeDeploySchema.model_validate(yaml.safe_load(SERVE_YAML.read_text())).applications
+    args = {"overrides": spec.args["overrides"] + TEST_OVERRIDES + list(overrides)}
+    module, builder = spec.import_path.split(":")
+    return getattr(importlib.import_module(module), builder)(args), spec
 
 
 @pytest.fixture(scope="module")
-def ray_serve_url(ray_cluster):
+def serve_port(ray_cluster):
     from ray import serve
 
     [port] = subproc.free_ports(1)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     try:
-        serve.run(build_ray_app("smollm2", {"tp": 1}, SERVE_CFG), name="prefill-test",
-                  route_prefix="/")
-        yield f"http://127.0.0.1:{port}"
+        yield port
     finally:
         serve.shutdown()
 
 
+@pytest.fixture(scope="module")
+def ray_serve_url(serve_port):
+    from ray import serve
+
+    app, spec = yaml_app()
+    serve.run(app, name=spec.name, route_prefix=spec.route_prefix)
+    return f"http://127.0.0.1:{serve_port}"
+
+
+@pytest.fixture(scope="module")
+def disagg_url(serve_port):
+    """serve.disaggregated: a prefill and a decode deployment, tp=1 each, under /disagg."""
+    from ray import serve
+
+    app, _ = yaml_app("serve.disaggregated=true")
+    serve.run(app, name="disaggregated", route_prefix="/disagg")
+    return f"http://127.0.0.1:{serve_port}/disagg"
+
+
+def _client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def _blocks_back(url: str) -> bool:
+    """Every engine's KV blocks free and no request in it, as /metrics says."""
+    m = metric_samples(url)
+    return all(v == 0 for k, v in m.items() if k.startswith(("prefill:kv_blocks_used",
+               "vllm:num_requests_running", "vllm:num_requests_waiting")))
+
+
+def _long_stream(url: str):
+    body = {"model": "smollm2", "prompt": PROMPT, "max_tokens": 2000, "stream": True,
+            "ignore_eos": True, "temperature": 0}
+    return httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60)
+
+
+def _disconnect_mid_stream(url: str) -> None:
+    """Read three events of a 2,000-token stream, check it holds blocks, hang up, and see every
+    block come back much sooner than 2,000 tokens would take."""
+    with _long_stream(url) as r:
+        events = (line for line in r.iter_lines() if line)  # SSE: a blank line after each
+        for _ in range(3):
+            assert next(events).startswith("data: ")
+        used = sum(v for k, v in metric_samples(url).items()
+                   if k.startswith("prefill:kv_blocks_used"))
+        assert used > 0
+    wait_until(lambda: _blocks_back(url), timeout=20, what="the stream's blocks back to 0")
+
+
 def test_two_replicas_serve_the_same_tokens(ray_serve_url, smollm2_llm):
-    client = openai.OpenAI(base_url=f"{ray_serve_url}/v1", api_key="none", max_retries=0,
-                           timeout=120)
+    client = _client(ray_serve_url)
     prompts = [PROMPT, "x" * 70 + " and then", "y" * 70 + " and so"]  # prefixes of 64+ chars
     want = [g.text for g in smollm2_llm.generate(prompts, SamplingParams(max_tokens=4))]
     got = [client.completions.create(model="smollm2", prompt=p, max_tokens=4,
@@ -59,6 +122,43 @@ def test_two_replicas_serve_the_same_tokens(ray_serve_url, smollm2_llm):
     assert m["vllm:prompt_tokens_total{model_name=smollm2}"] == 2 * sum(
         len(smollm2_llm.tokenize(p)) for p in prompts[:1]) + sum(
         len(smollm2_llm.tokenize(p)) for p in prompts[1:])
+
+
+def test_a_client_gone_mid_stream_frees_its_blocks_on_ray(ray_serve_url):
+    _disconnect_mid_stream(ray_serve_url)
+
+
+def test_disaggregated_serves_generate_s_tokens_and_frees_both_engines(disagg_url, smollm2_llm):
+    """The first token from the prefill deployment, the rest decoded from its KVHandle by the
+    decode deployment: the text, tokens one chunk each, finish reason and usage of `generate`;
+    /metrics counts them, shows both engines, and every block (the exported ones too) comes
+    back; a client gone mid-stream frees both engines' blocks."""
+    client = _client(disagg_url)
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    [want] = smollm2_llm.generate([PROMPT], params)
+    r = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=5, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert r.choices[0].text == want.text and r.choices[0].finish_reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(want.prompt_token_ids), 5)
+    chunks = list(client.completions.create(
+        model="smollm2", prompt=PROMPT, max_tokens=5, temperature=0, stream=True,
+        extra_body={"ignore_eos": True}, stream_options={"include_usage": True}))
+    pieces = [c.choices[0].text for c in chunks if c.choices and c.choices[0].finish_reason is None]
+    assert len(pieces) == 5 and "".join(pieces) == want.text
+    assert chunks[-1].usage.completion_tokens == 5
+    # the prompt again: its whole blocks come from the prefill engine's prefix cache
+    block = smollm2_llm.config.block_size
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == (
+        (len(want.prompt_token_ids) - 1) // block * block)
+    m = metric_samples(disagg_url)
+    assert m["vllm:time_to_first_token_seconds_count{model_name=smollm2}"] == 2
+    assert m["vllm:generation_tokens_total{model_name=smollm2}"] == 10
+    for engine in ("0", "1"):  # 0: prefill, 1: decode
+        assert m[f"prefill:engine_up{{engine={engine},model_name=smollm2}}"] == 1
+    assert m["vllm:prefix_cache_queries_total{engine=0,model_name=smollm2}"] == 2 * len(
+        want.prompt_token_ids)
+    wait_until(lambda: _blocks_back(disagg_url), what="both engines' blocks back to 0")
+    _disconnect_mid_stream(disagg_url)
 
 
 def test_prefix_router_sends_a_shared_prefix_to_the_engine_that_has_it():

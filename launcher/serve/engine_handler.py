@@ -1,9 +1,11 @@
 """OpenAI completions and chat completions over one `LLM`, through its public methods only.
 
-Every choice runs through `LLM.stream_with_output`, streamed or not, so stop strings, timing and
-cancellation work the same way in both; a stream closed early (a client gone, a stop string
-met) cancels its request in the engine, which frees its blocks. The HTTP layer (app.py) and
-the Ray Serve deployments (ray_app.py) both call this class."""
+Every choice runs through one token source, streamed or not, so stop strings, timing and
+cancellation work the same way in both: `LLM.stream_with_output`, or in a disaggregated decode
+deployment a prefill elsewhere and `LLM.decode_stream` here (disaggregated.py). A stream closed
+early (a client gone, a stop string met) cancels its request in the engine, which frees its
+blocks. The HTTP layer (app.py) and the Ray Serve deployments (ray_app.py) both call this class;
+a prefill deployment calls `prefill_export` and `release`."""
 from __future__ import annotations
 
 import asyncio
@@ -13,12 +15,13 @@ import time
 import uuid
 from contextlib import aclosing
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
-from engine import LLM, GenerateOutput, RankFailure, SamplingParams
+from engine import LLM, GenerateOutput, InvalidRequestError, KVPinnedError, RankFailure, SamplingParams
 from launcher.serve.logprobs import completion_logprobs
 from launcher.serve.protocol import ChatRequest, CompletionRequest, ServeError, _Sampling
 from launcher.serve.text_stream import TextStream
+from launcher.serve.undo import finish_or_undo
 
 
 @dataclass(slots=True)
@@ -51,11 +54,15 @@ MAX_CHOICES = 256  # prompts x n in one request: more would bypass serve.max_que
 # what /metrics shows of each engine replica, from LLM.cache_stats()
 REPLICA_STATS = ("blocks_used", "blocks_total", "requests_running", "requests_waiting",
                  "prefix_lookup_tokens", "prefix_hit_tokens")
+# a choice's tokens: (prompt ids, params) -> token ids as they come, then the GenerateOutput
+TokenSource = Callable[[list[int], SamplingParams], AsyncIterator[int | GenerateOutput]]
 
 
 class EngineHandler:
-    def __init__(self, llm: LLM, model_name: str, restart_on_failure: bool = True):
+    def __init__(self, llm: LLM, model_name: str, restart_on_failure: bool = True,
+                 tokens: TokenSource | None = None):
         self.llm, self.model_name = llm, model_name
+        self.tokens = tokens or llm.stream_with_output
         self.restart_on_failure = restart_on_failure
         self.rank_failures = self.restarts = 0
         self.down: str | None = None  # why requests are refused (503) until a restart ends
@@ -112,6 +119,32 @@ class EngineHandler:
                 "index": d.choice.index, "delta": delta, "logprobs": None,
                 "finish_reason": d.finish_reason})
         yield self._envelope("chat.completion.chunk", [], choices, start, rid)
+
+    async def prefill_export(self, prompt_ids: list[int],
+                             params: SamplingParams) -> tuple[int, object, int]:
+        """A prefill for a decode engine elsewhere: (first token, KVHandle, cached prompt
+        tokens). A caller gone before it ends gets its handle released, not left pinned."""
+        self._refuse_if_down()
+        try:
+            return await finish_or_undo(asyncio.to_thread(self._prefill_one, prompt_ids, params),
+                                        lambda made: asyncio.to_thread(self.release, made[1]))
+        except RankFailure as e:
+            self._on_rank_failure(e)
+            raise ServeError(503, str(e), "service_unavailable") from None
+        except KVPinnedError as e:  # handles not yet decoded fill the cache: it passes
+            raise ServeError(503, str(e), "service_unavailable") from None
+
+    def _prefill_one(self, prompt_ids: list[int], params: SamplingParams) -> tuple[int, object, int]:
+        [p] = self.llm.prefill([prompt_ids], params, export_kv=True)
+        return p.first_token, p.kv, p.cached_tokens
+
+    def release(self, kv) -> None:
+        """Give back a handle from `prefill_export` that no decode took; one a decode used,
+        or already reclaimed, is let be."""
+        try:
+            self.llm.release(kv)
+        except InvalidRequestError as e:
+            log.debug("release of %r: %s", kv, e)
 
     async def stats(self) -> list[dict]:
         """Per engine replica: REPLICA_STATS; whether it is up, and the rank failures and
@@ -203,7 +236,7 @@ class EngineHandler:
 
     async def _run_one(self, c: Choice, stops: list[str]) -> AsyncIterator[Delta]:
         text, last = TextStream(self.llm.tokenizer, stops), ""
-        async with aclosing(self.llm.stream_with_output(c.prompt_ids, c.params)) as items:
+        async with aclosing(self.tokens(c.prompt_ids, c.params)) as items:
             async for item in items:
                 if isinstance(item, GenerateOutput):
                     c.finish_reason, c.cached_tokens = item.finish_reason, item.cached_tokens

@@ -3,9 +3,14 @@ owning an `LLM` (whose rank actors, at tp > 1, sit in their own placement group)
 ingress deployment running app.py's routes. The ingress routes each request by prefix affinity:
 to the engine that last served the longest prefix of its prompt (its prefix cache likely holds
 those blocks); a prompt no engine has seen goes to the one with the fewest requests in flight,
-taking turns among equals."""
+taking turns among equals.
+
+With serve.disaggregated, one engine deployment prefills (`prefill_export`) and another, given
+its handle, decodes: the ingress routes to the decode deployment, which has each prompt
+prefilled there and streams the rest from the KVHandle (disaggregated.py)."""
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 from collections import OrderedDict
@@ -15,9 +20,10 @@ import ray
 from omegaconf import DictConfig
 from ray import serve
 
-from engine import EngineError
+from launcher.common import CONF_DIR, engine_settings
+from launcher.serve.disaggregated import remote_cause
 from launcher.serve.engine_handler import REPLICA_STATS
-from launcher.serve.protocol import ChatRequest, CompletionRequest, ServeError
+from launcher.serve.protocol import ChatRequest, CompletionRequest
 
 log = logging.getLogger("serve")
 PREFIX_CHARS = 64  # the ingress hashes prompts in blocks of this many characters
@@ -26,14 +32,18 @@ REMEMBERED_PREFIXES = 100_000  # per ingress, least recently used forgotten firs
 
 @serve.deployment(max_ongoing_requests=1024)
 class EngineDeployment:
-    """One engine replica group: an `LLM` and the OpenAI handler over it."""
+    """One engine replica group: an `LLM` and the OpenAI handler over it. Given `prefill` (the
+    prefill deployment's handle) it is a decode deployment: prompts are prefilled there."""
 
-    def __init__(self, model: str, settings: dict, model_name: str, restart_on_failure: bool):
+    def __init__(self, model: str, settings: dict, model_name: str, restart_on_failure: bool,
+                 prefill=None):
         from engine import LLM
+        from launcher.serve.disaggregated import RemotePrefill
         from launcher.serve.engine_handler import EngineHandler
 
         self.llm = LLM(model, **settings)
-        self.handler = EngineHandler(self.llm, model_name, restart_on_failure)
+        tokens = None if prefill is None else RemotePrefill(prefill, self.llm)
+        self.handler = EngineHandler(self.llm, model_name, restart_on_failure, tokens)
 
     async def completion(self, req: CompletionRequest) -> dict:
         return await self.handler.completion(req)
@@ -52,15 +62,23 @@ class EngineDeployment:
     async def stats(self) -> list[dict]:
         return await self.handler.stats()
 
+    async def prefill_export(self, prompt_ids: list[int], params) -> tuple[int, object, int]:
+        return await self.handler.prefill_export(prompt_ids, params)
+
+    async def release(self, kv) -> None:
+        await asyncio.to_thread(self.handler.release, kv)
+
     def __del__(self):
         self.llm.shutdown()
 
 
 class PrefixRouter:
-    """EngineHandler's methods, each request sent to one engine deployment by prefix affinity."""
+    """EngineHandler's methods, each request sent to one engine deployment by prefix affinity;
+    `stats` of every deployment in `stats_from` (default: the engines), in that order."""
 
-    def __init__(self, engines: list, model_name: str):
+    def __init__(self, engines: list, model_name: str, stats_from: list | None = None):
         self.engines, self.model_name = engines, model_name
+        self.stats_from = stats_from or engines
         self.in_flight = [0] * len(engines)
         self.last_miss = -1
         self.owner: OrderedDict[bytes, int] = OrderedDict()  # prefix-block hash -> engine
@@ -96,7 +114,7 @@ class PrefixRouter:
 
     async def stats(self) -> list[dict]:
         out = []
-        for i, engine in enumerate(self.engines):
+        for i, engine in enumerate(self.stats_from):
             try:
                 out += await engine.stats.remote()
             except Exception as e:  # noqa: BLE001  an engine deployment down or restarting
@@ -111,7 +129,7 @@ class PrefixRouter:
         try:
             return await getattr(self.engines[i], method).remote(req)
         except ray.exceptions.RayTaskError as e:
-            raise _cause(e) from None
+            raise remote_cause(e) from None
         finally:
             self.in_flight[i] -= 1
 
@@ -123,16 +141,10 @@ class PrefixRouter:
             async for chunk in chunks:
                 yield chunk
         except ray.exceptions.RayTaskError as e:
-            raise _cause(e) from None
+            raise remote_cause(e) from None
         finally:
             chunks.cancel()  # a client gone: the engine's request is cancelled, blocks freed
             self.in_flight[i] -= 1
-
-
-def _cause(e: ray.exceptions.RayTaskError) -> BaseException:
-    """The engine's own refusal, for the HTTP layer to map to its status code."""
-    cause = getattr(e, "cause", None)
-    return cause if isinstance(cause, (ServeError, EngineError)) else e
 
 
 def _block_hashes(text: str) -> list[bytes]:
@@ -157,8 +169,9 @@ def _chat_text(req: ChatRequest) -> str:
 @serve.deployment(ray_actor_options={"num_cpus": 0})
 @serve.ingress()
 class Ingress:
-    def __init__(self, engines: list, model_name: str, api_key: str | None, max_queued: int):
-        self.router = PrefixRouter(engines, model_name)
+    def __init__(self, engines: list, model_name: str, api_key: str | None, max_queued: int,
+                 stats_from: list | None = None):
+        self.router = PrefixRouter(engines, model_name, stats_from)
         self.api_key, self.max_queued = api_key, max_queued
 
     def __serve_build_asgi_app__(self):
@@ -168,13 +181,35 @@ class Ingress:
 
 
 def build_ray_app(model: str, settings: dict, serve_cfg: DictConfig | dict):
-    """The Serve application: `serve_cfg["replicas"]` engine deployments behind the ingress."""
+    """The Serve application: `serve_cfg["replicas"]` engine deployments behind the ingress, or
+    with `serve_cfg["disaggregated"]` a prefill and a decode deployment (tp: `prefill_tp` and
+    `decode_tp`, else `settings["tp"]`)."""
     name = serve_cfg["model_name"] or model
-    engines = [EngineDeployment.options(name=f"engine_{i}", num_replicas=1,
-                                        ray_actor_options={"num_cpus": serve_cfg["replica_cpus"]})
-               .bind(model, settings, name, serve_cfg["restart_on_failure"])
-               for i in range(serve_cfg["replicas"])]
-    return Ingress.bind(engines, name, serve_cfg["api_key"], serve_cfg["max_queued"])
+    settings = {k: v for k, v in settings.items() if k != "ray_address"}  # the cluster's own
+
+    def engine(deployment: str, tp: int | None, prefill=None):
+        return (EngineDeployment.options(name=deployment, num_replicas=1, ray_actor_options={
+                    "num_cpus": serve_cfg["replica_cpus"]})
+                .bind(model, {**settings, "tp": tp or settings.get("tp", 1)}, name,
+                      serve_cfg["restart_on_failure"], prefill))
+    if serve_cfg["disaggregated"]:
+        prefill = engine("prefill", serve_cfg["prefill_tp"])
+        engines, stats_from = [engine("decode", serve_cfg["decode_tp"], prefill)], [prefill]
+    else:
+        engines, stats_from = [engine(f"engine_{i}", None) for i in range(serve_cfg["replicas"])], []
+    return Ingress.bind(engines, name, serve_cfg["api_key"], serve_cfg["max_queued"],
+                        stats_from + engines)
+
+
+def app_builder(args: dict):
+    """`serve run launcher/serve/serve.yaml` (or `serve deploy` it): the app of `python -m
+    launcher.serve serve.ray=true`, configured by conf/serve.yaml and `args["overrides"]`, a
+    list of the same Hydra overrides (`parallel.tp=2`, `serve.disaggregated=true`, ...)."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=CONF_DIR, version_base=None):
+        cfg = compose("serve", overrides=list(args.get("overrides", [])))
+    return build_ray_app(cfg.model.path, engine_settings(cfg), cfg.serve)
 
 
 def serve_on_ray(cfg: DictConfig, settings: dict) -> None:
@@ -184,7 +219,6 @@ def serve_on_ray(cfg: DictConfig, settings: dict) -> None:
 
     ray.init(address=cfg.parallel.ray_address, ignore_reinit_error=True)
     serve.start(http_options={"host": cfg.serve.host, "port": cfg.serve.port})
-    settings = {k: v for k, v in settings.items() if k != "ray_address"}
     serve.run(build_ray_app(cfg.model.path, settings, cfg.serve), name="prefill",
               route_prefix="/")
     print(f"serving {cfg.serve.model_name or cfg.model.path} on Ray Serve at "
