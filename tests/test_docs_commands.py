@@ -213,7 +213,7 @@ def compose(app: str, args: list[str]):
     """The app's config with these command-line words, composed by Hydra as the app would."""
     from hydra import compose as hydra_compose, initialize_config_dir
 
-    from launcher.common import CONF_DIR
+    from launcher.build_engine import CONF_DIR
 
     multirun = "-m" in args or "--multirun" in args
     overrides = [a for a in args if a not in ("-m", "--multirun") and "=" in a]

@@ -20,7 +20,7 @@ import ray
 from omegaconf import DictConfig
 from ray import serve
 
-from launcher.common import CONF_DIR, engine_settings
+from launcher.build_engine import CONF_DIR, engine_settings
 from launcher.serve.disaggregated import remote_cause
 from launcher.serve.engine_handler import REPLICA_STATS
 from launcher.serve.protocol import ChatRequest, CompletionRequest
