@@ -235,13 +235,14 @@ class LLM:
         # the op costs read the plain step metadata; the ring's is another kind
         self._refuse_with_cp("tracing()")
         records: list[dict] = []
-        self._core.call(lambda: [r.run_on_ranks(Worker.start_tracing) for r in self._core.replicas])
+        self._core.call(lambda: [r.run_on_ranks(Worker.start_tracing)
+                                 for r in self._core.replicas])
         try:
             yield records
         finally:
             per_rank = self._core.call(
-                lambda: [rec for r in self._core.replicas for rank in r.run_on_ranks(Worker.stop_tracing)
-                         for rec in rank])
+                lambda: [rec for r in self._core.replicas
+                         for rank in r.run_on_ranks(Worker.stop_tracing) for rec in rank])
             records.extend(per_rank)
 
     @contextmanager

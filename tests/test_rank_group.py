@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,11 @@ class ToyWorker:
 
     def pid(self) -> int:
         return os.getpid()
+
+    def plumbing_frames(self) -> list[str]:
+        """The group's own functions on the stack that called this method."""
+        mine = os.path.join("parallel", "ray", "rank_group.py")
+        return [f.name for f in traceback.extract_stack() if f.filename.endswith(mine)]
 
     def all_reduce(self) -> float:
         t = torch.tensor([self.rank + 1.0])
@@ -95,6 +101,8 @@ def test_all_reduce_on_every_rank_in_rank_order(ray_cluster):
         assert _call(group, ToyWorker.all_reduce) == [1.0 + 2.0, 1.0 + 2.0]
         assert _call(group, ToyWorker.whoami) == [0, 1]
         assert _call(group, rank_times, 10) == [0, 10]
+        # a worker method is the actor's own: no dispatch of the group's between Ray and it
+        assert _call(group, ToyWorker.plumbing_frames) == [[], []]
         assert len(group.node_ips()) == 2
         pids = _call(group, ToyWorker.pid)
         assert len(set(pids)) == 2 and os.getpid() not in pids
