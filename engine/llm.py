@@ -16,10 +16,10 @@ from typing import AsyncIterator, Iterator, Sequence as Seq
 from engine.config import EngineConfig
 from engine.driver import scoring
 from engine.driver.engine_core import SHUT_DOWN, EngineCore
-from engine.driver.executor import connect_if_needed, make_executors
+from engine.driver.ranks import connect_if_needed
 from engine.driver.outputs import GenerateOutput, PrefillOutput, ScoreOutput
 from engine.driver.prompts import Prompt, PromptLimits, as_prompt_list, prompt_token_ids
-from engine.driver.replica import Replica, StepTiming
+from engine.driver.replica import Replica, StepTiming, start_replicas
 from engine.driver.sampling_params import SamplingParams, check_params
 from engine.driver.sequence import Sequence
 from engine.errors import InvalidRequestError, KVPinnedError
@@ -27,6 +27,7 @@ from engine.loading.checkpoint import open_checkpoint
 from engine.loading import weight_digest
 from engine.loading.tokenizer import load_tokenizer
 from engine.plan import RankInfo, make_plan
+from engine.rank.worker import Worker
 from engine.transfer.exports import ExportTable, is_pinned
 from engine.transfer.handle import KVHandle, model_fingerprint
 from engine.transfer.imports import adopt
@@ -49,11 +50,11 @@ class LLM:
         # collected, and the finalizer releases its actors and placement groups
         connect_if_needed(cfg)
         self._core = EngineCore(
-            lambda: [Replica(plan, cfg, ex) for ex in make_executors(plan, cfg, ckpt)],
+            lambda: start_replicas(plan, cfg, ckpt),
             cfg.retry_on_rank_failure, cfg.routing, plan.block_size)
         self._finalizer = weakref.finalize(self, self._core.shutdown)
         # disaggregated prefill: what a KVHandle must match here, and the handles given out
-        digests = self._core.call(lambda: self._core.replicas[0].executor.weight_digests())
+        digests = self._core.call(lambda: self._core.replicas[0].run_on_ranks(Worker.weight_digest))
         self._fingerprint = model_fingerprint(mc, weight_digest.combine(digests), plan.dtype,
                                               plan.block_size)
         self._exports = ExportTable(self._core, cfg.kv_handle_ttl_s, cfg.ray_address)
@@ -84,7 +85,8 @@ class LLM:
         for s in seqs:
             s.pin_kv = export_kv
         try:
-            self._run(seqs)
+            self._core.submit(seqs)
+            self._wait(seqs)
         except KVPinnedError as e:
             own = sum(is_pinned(s) for s in seqs)
             self._exports.unpin(seqs)
@@ -152,7 +154,9 @@ class LLM:
 
     def generate(self, prompts: Prompt | Seq[Prompt],
                  params: SamplingParams | None = None) -> list[GenerateOutput]:
-        return [self._output(s) for s in self._run(self._sequences(prompts, params))]
+        seqs = self._sequences(prompts, params)
+        self._core.submit(seqs)
+        return [self._output(s) for s in self._wait(seqs)]
 
     async def generate_async(self, prompt: Prompt,
                              params: SamplingParams | None = None) -> GenerateOutput:
@@ -224,7 +228,8 @@ class LLM:
         scoring.check_scorable([s.prompt_token_ids for s in seqs])
         for seq in seqs:  # before the scheduler can see them
             seq.score = scoring.ScoreRequest(k, seq.num_prompt_tokens)
-        return [scoring.score_output(s) for s in self._run(seqs)]
+        self._core.submit(seqs)
+        return [scoring.score_output(s) for s in self._wait(seqs)]
 
     def walkthrough(self, prompt: Prompt, hardware: str = "cpu-measured", decode_tokens: int = 8,
                     top_k: int = 5):
@@ -249,11 +254,11 @@ class LLM:
 
     def rank_memory(self) -> list[list[dict]]:
         """Each rank's resident (CPU) or peak allocated (CUDA) bytes, per replica."""
-        return self._core.call(lambda: [r.executor.memory() for r in self._core.replicas])
+        return self._core.call(lambda: [r.run_on_ranks(Worker.memory) for r in self._core.replicas])
 
     def placement(self) -> list[list[tuple[str, str]]]:
         """(node ip, node id) of every rank, per replica."""
-        return [r.executor.node_addresses() for r in self._core.replicas]
+        return [r.node_addresses() for r in self._core.replicas]
 
     def step_timings(self, replica: int = 0) -> list[StepTiming]:
         return self._core.call(lambda: list(self._replica(replica).steps))
@@ -263,7 +268,7 @@ class LLM:
         whole engine at the top (the same keys at any dp), each replica's under `replicas`; and
         `kv_handles_pinned`, the exported handles whose blocks this engine still holds."""
         self._exports.sync()  # blocks of handles used, released or expired come back first
-        out = self._core.call(lambda: [_replica_stats(r) for r in self._core.replicas])
+        out = self._core.call(lambda: [r.stats() for r in self._core.replicas])
         if not out:
             raise InvalidRequestError(SHUT_DOWN)
         return {**_engine_stats(out), "replicas": out,
@@ -273,7 +278,7 @@ class LLM:
                 replica: int = 0) -> list[tuple]:
         """Each rank's (K, V) of `length` positions stored in `block_table`, [length, kv heads, d]."""
         return self._core.call(
-            lambda: self._replica(replica).executor.read_kv(layer, block_table, length))
+            lambda: self._replica(replica).run_on_ranks(Worker.read_kv, layer, block_table, length))
 
     @contextmanager
     def tracing(self) -> Iterator[list[dict]]:
@@ -281,13 +286,14 @@ class LLM:
         # the op costs read the plain step metadata; the ring's is another kind
         self._refuse_with_cp("tracing()")
         records: list[dict] = []
-        self._core.call(lambda: [r.executor.start_tracing() for r in self._core.replicas])
+        self._core.call(lambda: [r.run_on_ranks(Worker.start_tracing)
+                                 for r in self._core.replicas])
         try:
             yield records
         finally:
             per_rank = self._core.call(
-                lambda: [rec for r in self._core.replicas for rank in r.executor.stop_tracing()
-                         for rec in rank])
+                lambda: [rec for r in self._core.replicas
+                         for rank in r.run_on_ranks(Worker.stop_tracing) for rec in rank])
             records.extend(per_rank)
 
     @contextmanager
@@ -350,12 +356,8 @@ class LLM:
         return [Sequence(self.tokenize(p), params, keep_first_logits=keep_first_logits)
                 for p in as_prompt_list(prompts)]
 
-    def _run(self, seqs: list[Sequence]) -> list[Sequence]:
-        """Submit, then wait for every request; the first failure is raised once all are done."""
-        self._core.submit(seqs)
-        return self._wait(seqs)
-
     def _wait(self, seqs: list[Sequence]) -> list[Sequence]:
+        """Wait for every submitted request; the first failure is raised once all are done."""
         try:
             concurrent.futures.wait([s.future for s in seqs])
         except BaseException:  # e.g. Ctrl-C: the requests must not run on without a reader
@@ -365,16 +367,6 @@ class LLM:
         for seq in seqs:
             seq.future.result()
         return seqs
-
-
-def _replica_stats(r: Replica) -> dict:
-    stats = r.block_manager.stats()
-    stats["kv_bytes_per_token_per_rank"] = [i.kv_bytes_per_token for i in r.rank_info]
-    stats["kv_cache_bytes_per_rank"] = [i.kv_cache_bytes for i in r.rank_info]
-    stats["preemptions"] = r.scheduler.num_preemptions
-    stats["requests_running"] = len(r.scheduler.running)
-    stats["requests_waiting"] = len(r.scheduler.waiting)
-    return stats
 
 
 def _engine_stats(per_replica: list[dict]) -> dict:

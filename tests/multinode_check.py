@@ -37,6 +37,17 @@ NODES, CPUS_PER_NODE = 2, 2
 MAX_TOKENS = 6
 
 
+class RankOf:
+    """The smallest rank worker: it knows its rank (this module is __main__, so Ray workers get
+    the class by value)."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank = rank
+
+    def rank_of(self) -> int:
+        return self.rank
+
+
 def _private_ray_env() -> str:
     """A short private temp dir for this cluster (socket paths must stay under ~107 bytes)."""
     tmp = tempfile.mkdtemp(prefix="rmn", dir="/tmp")
@@ -88,12 +99,11 @@ def _check_pinning(node_ids: list[str]) -> dict:
     driver = ray.get_runtime_context().get_node_id()
     [node] = [n for n in node_ids if n != driver]
     out: dict = {"node": node, "overfull": None}
-    # `dict(rank=r, world_size=n)` is a worker any Ray process can build; `get` reads it back.
-    with RankGroup(dict, GroupOptions(world_size=2, init_timeout_s=30, node_ids=[node])) as g:
-        out["node_ids"], out["ranks"] = g.node_ids(), g.call("get", "rank")
+    with RankGroup(RankOf, GroupOptions(world_size=2, init_timeout_s=30, node_ids=[node])) as g:
+        out["node_ids"], out["ranks"] = g.node_ids(), g.collect(g.launch(RankOf.rank_of))
         t0 = time.perf_counter()
         try:
-            RankGroup(dict, GroupOptions(world_size=1, init_timeout_s=3,
+            RankGroup(RankOf, GroupOptions(world_size=1, init_timeout_s=3,
                                          node_ids=[node])).shutdown()
         except RankGroupError as e:
             out["overfull"] = {"error": str(e), "s": round(time.perf_counter() - t0, 2)}

@@ -467,3 +467,19 @@ def test_cache_stats_keys_do_not_depend_on_dp(engines, dp2):
     for key in ("blocks_total", "blocks_used", "blocks_free", "prefix_hit_tokens", "cached_blocks"):
         assert stats[key] == sum(r[key] for r in stats["replicas"]), key
     assert stats["blocks_total"] == 16 and stats["prefix_hit_tokens"] - before == 12
+
+
+def test_an_export_after_its_replica_was_replaced_is_refused(engines):
+    """A prefill's replica rebuilt (a rank failure) or restarted between the prefill's end and
+    its export: the new ranks never held that K/V, so no handle may point at them. The race
+    cannot be timed through the public API; the engine's own steps are run in that order."""
+    llm = engines[1]
+    [seq] = llm._sequences([LONG], SamplingParams(max_tokens=1))
+    seq.pin_kv = True
+    llm._core.submit([seq])
+    llm._wait([seq])  # finished, its blocks pinned on replica 0
+    llm._core.restart()  # the step loop's replicas are new objects now, their caches empty
+    with pytest.raises(KVTransferError, match="replaced"):
+        llm._exports.export([seq], llm._fingerprint)
+    assert llm.cache_stats()["blocks_pinned"] == 0 and _blocks_used(llm) == 0
+    assert llm.generate([SHORT], GREEDY)[0].token_ids  # still serving

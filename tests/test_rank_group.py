@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,14 @@ class ToyWorker:
 
     def whoami(self) -> int:
         return self.rank
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def plumbing_frames(self) -> list[str]:
+        """The group's own functions on the stack that called this method."""
+        mine = os.path.join("parallel", "ray", "rank_group.py")
+        return [f.name for f in traceback.extract_stack() if f.filename.endswith(mine)]
 
     def all_reduce(self) -> float:
         t = torch.tensor([self.rank + 1.0])
@@ -51,9 +60,19 @@ class ToyWorker:
         return self.rank
 
 
-def broken_factory(rank: int, world_size: int, pid_dir: str) -> ToyWorker:
-    Path(pid_dir, str(rank)).write_text(str(os.getpid()))
-    raise RuntimeError("cannot load weights")
+class BrokenWorker:
+    def __init__(self, rank: int, world_size: int, pid_dir: str) -> None:
+        Path(pid_dir, str(rank)).write_text(str(os.getpid()))
+        raise RuntimeError("cannot load weights")
+
+
+def rank_times(worker: ToyWorker, factor: int) -> int:
+    """Not a ToyWorker method: the group runs it through the actor's `run`."""
+    return worker.rank * factor
+
+
+def _call(group: RankGroup, fn, *args) -> list:
+    return group.collect(group.launch(fn, *args))
 
 
 def _alive(pid: int) -> bool:
@@ -79,10 +98,13 @@ def _live_placement_groups() -> list[str]:
 def test_all_reduce_on_every_rank_in_rank_order(ray_cluster):
     with RankGroup(ToyWorker, GroupOptions(world_size=2)) as group:
         assert group.world_size == 2
-        assert group.call("all_reduce") == [1.0 + 2.0, 1.0 + 2.0]
-        assert group.call("whoami") == [0, 1]
+        assert _call(group, ToyWorker.all_reduce) == [1.0 + 2.0, 1.0 + 2.0]
+        assert _call(group, ToyWorker.whoami) == [0, 1]
+        assert _call(group, rank_times, 10) == [0, 10]
+        # a worker method is the actor's own: no dispatch of the group's between Ray and it
+        assert _call(group, ToyWorker.plumbing_frames) == [[], []]
         assert len(group.node_ips()) == 2
-        pids = group.pids()
+        pids = _call(group, ToyWorker.pid)
         assert len(set(pids)) == 2 and os.getpid() not in pids
     assert _still_alive(pids) == []
     assert _live_placement_groups() == []
@@ -91,33 +113,33 @@ def test_all_reduce_on_every_rank_in_rank_order(ray_cluster):
 def test_worker_error_on_every_rank_is_reraised_and_group_survives(ray_cluster):
     with RankGroup(ToyWorker, GroupOptions(world_size=2)) as group:
         with pytest.raises(ValueError, match="rejects 'bad'"):
-            group.call("reject", "bad")
-        assert group.call("all_reduce") == [3.0, 3.0]
+            _call(group, ToyWorker.reject, "bad")
+        assert _call(group, ToyWorker.all_reduce) == [3.0, 3.0]
         # Ranks that disagree are a group error, but nobody is stuck in a collective.
         with pytest.raises(RankGroupError, match="(?s)rank 1 .*reject_on.*rejects its input"):
-            group.call("reject_on", 1)
-        assert group.call("whoami") == [0, 1]
+            _call(group, ToyWorker.reject_on, 1)
+        assert _call(group, ToyWorker.whoami) == [0, 1]
 
 
 def test_rank_dying_mid_collective_fails_fast_and_leaves_no_process(ray_cluster):
     group = RankGroup(ToyWorker, GroupOptions(world_size=2, step_timeout_s=10))
-    pids = group.pids()
+    pids = _call(group, ToyWorker.pid)
     start = time.monotonic()
     with pytest.raises(RankGroupError, match="rank 1"):
-        group.call("die_in_collective", 1)
+        _call(group, ToyWorker.die_in_collective, 1)
     assert time.monotonic() - start < 20
     assert _still_alive(pids) == []
     assert _live_placement_groups() == []
     with pytest.raises(RankGroupError, match="shut down"):
-        group.call("whoami")
+        _call(group, ToyWorker.whoami)
 
 
 def test_hanging_rank_times_out(ray_cluster):
     group = RankGroup(ToyWorker, GroupOptions(world_size=2, step_timeout_s=3))
-    pids = group.pids()
+    pids = _call(group, ToyWorker.pid)
     start = time.monotonic()
     with pytest.raises(RankGroupError, match="rank 1 .*hang.*did not answer"):
-        group.call("hang", 1)
+        _call(group, ToyWorker.hang, 1)
     assert 3 <= time.monotonic() - start < 10
     assert _still_alive(pids) == []
     group.shutdown()   # already torn down: a second shutdown is a no-op
@@ -133,8 +155,17 @@ def test_more_ranks_than_cpus_is_refused_in_time(ray_cluster):
 
 def test_failing_worker_factory_tears_the_group_down(ray_cluster, tmp_path):
     with pytest.raises(RankGroupError, match="(?s)failed to build its worker.*cannot load weights"):
-        RankGroup(broken_factory, GroupOptions(world_size=2), pid_dir=str(tmp_path))
+        RankGroup(BrokenWorker, GroupOptions(world_size=2), pid_dir=str(tmp_path))
     pids = [int(f.read_text()) for f in tmp_path.iterdir()]
     assert len(pids) >= 1
     assert _still_alive(pids) == []
     assert _live_placement_groups() == []
+
+
+def test_a_worker_method_named_like_the_actor_plumbing_is_refused_before_placing():
+    class Clashing(ToyWorker):
+        def join(self) -> None:  # the actor's own join() forms the process group
+            pass
+
+    with pytest.raises(TypeError, match=r"Clashing defines \['join'\].*rename"):
+        RankGroup(Clashing, GroupOptions(world_size=2))

@@ -219,3 +219,32 @@ def test_breaking_out_of_a_stream_under_aclosing_frees_its_request(llama, expect
     with LLM(llama, max_model_len=256) as llm:
         got, used = asyncio.run(main(llm))
     assert got == expected[2][:3] and used == 0
+
+
+def test_the_step_loop_reaches_the_rank_in_three_calls(llama, monkeypatch):
+    """The driver's share of issue 23's hop budget: `LLM.generate` calls `EngineCore.submit`
+    itself, and the loop thread's `EngineCore.step` reaches `Worker.execute` through
+    `Replica.launch` and the ranks' `launch` (here the in-process rank), with nothing between."""
+    import traceback
+
+    from engine.driver.engine_core import EngineCore
+    from engine.rank.worker import Worker
+
+    stacks: dict[str, list[str]] = {}
+    execute, submit = Worker.execute, EngineCore.submit
+
+    def recording_execute(worker, batch):
+        stacks["execute"] = [frame.name for frame in traceback.extract_stack()[:-1]]
+        return execute(worker, batch)
+
+    def recording_submit(core, seqs):
+        stacks["submit"] = [frame.name for frame in traceback.extract_stack()[:-1]]
+        return submit(core, seqs)
+
+    monkeypatch.setattr(Worker, "execute", recording_execute)
+    monkeypatch.setattr(EngineCore, "submit", recording_submit)
+    with LLM(llama) as llm:
+        llm.generate(PROMPTS[:1], SamplingParams(max_tokens=1))
+    assert stacks["submit"][-1] == "generate"
+    loop = stacks["execute"]
+    assert loop[loop.index("_run"):] == ["_run", "step", "launch", "launch"]

@@ -124,7 +124,7 @@ class EngineCore:
         for seq in pending:
             _fail(seq, error)
         for r in self.replicas:
-            r.executor.shutdown()
+            r.shutdown()
         self.replicas = []
         # a replica being rebuilt finds the loop gone and shuts its new ranks down; wait for
         # that, or the next start could find the cluster's CPUs still held by them
@@ -143,63 +143,17 @@ class EngineCore:
             built.set_exception(e)
             return
         built.set_result(None)
-        while self._run_once():
+        while self.step():
             pass
 
-    def _run_once(self) -> bool:
-        """One turn of the loop; False once stopping. What a turn took in (a call's result: a
-        KVHandle holding object references, say) is dropped when it returns, not kept alive
-        while the loop waits for the next event."""
-        with self._wake:
-            while not (self._stopping or self._inbox or self._calls or self._cancelled
-                       or self._has_work()):
-                self._wake.wait()
-            if self._stopping:
-                return False
-            new, calls, cancelled = list(self._inbox), list(self._calls), list(self._cancelled)
-            self._inbox.clear(), self._calls.clear(), self._cancelled.clear()
-        for fn, done in calls:
-            _run_call(fn, done)
-        for seq in cancelled:
-            self._abort(seq)
-        for seq in new:
-            self._route(seq)
-        if self._has_work():
-            self._step()
-        return True
-
-    def _route(self, seq: Sequence) -> None:
-        """Hand the request to the replica the router picks; with none alive, it waits for one
-        being rebuilt, or fails."""
-        index = self._router.pick(seq.token_ids, self.replicas)
-        if index is not None:
-            seq.replica = index
-            self.replicas[index].scheduler.add(seq)
-        elif self._restarting:
-            self._parked.append(seq)
-        else:
-            _fail(seq, RankFailure(f"{self._all_down()}; call restart() or create a new LLM"))
-
-    def _all_down(self) -> str | None:
-        """Why no replica can serve, or None while one can."""
-        if self.replicas and all(r.down for r in self.replicas):
-            return "; ".join(r.down for r in self.replicas)
-        return None
-
-    def live_replicas(self) -> list[Replica]:
-        """On the loop thread: the replicas that take requests (every one but a broken one)."""
-        down = self._all_down()
-        if down is not None:
-            raise RankFailure(f"{down}; call restart() or create a new LLM")
-        return [r for r in self.replicas if r.down is None]
-
-    def _has_work(self) -> bool:
-        return any(r.scheduler.has_work() for r in self.replicas)
-
-    def _step(self) -> None:
-        """One step on every replica with work; the replicas run concurrently, and one that
-        fails fails alone. Requests it resumes are routed once every replica's step is in, so
-        none goes to a replica whose failure this step has yet to show."""
+    def step(self) -> bool:
+        """One turn of the loop thread (only it may call this): take in what arrived, then one
+        step on every replica with work. The replicas run concurrently (each launched before
+        any is waited on), and one that fails fails alone; requests it resumes are routed once
+        every replica's step is in, so none goes to a replica whose failure this step has yet
+        to show. False once stopping."""
+        if not self._take_in():
+            return False
         launched, resumed = [], []
         for index, replica in enumerate(self.replicas):
             if replica.down is not None:  # emptied when it broke; nothing may reach it since
@@ -221,6 +175,60 @@ class EngineCore:
                 _resolve(seq)
         for seq in resumed:
             self._route(seq)
+        return True
+
+    def _take_in(self) -> bool:
+        """Wait for an event, then run the calls, cancellations and new requests that came in;
+        False once stopping. What it took in (a call's result: a KVHandle holding object
+        references, say) is dropped when it returns, not kept alive while the loop waits."""
+        with self._wake:
+            while not (self._stopping or self._inbox or self._calls or self._cancelled
+                       or self._has_work()):
+                self._wake.wait()
+            if self._stopping:
+                return False
+            new, calls, cancelled = list(self._inbox), list(self._calls), list(self._cancelled)
+            self._inbox.clear(), self._calls.clear(), self._cancelled.clear()
+        for fn, done in calls:
+            _run_call(fn, done)
+        for seq in cancelled:
+            self._abort(seq)
+        for seq in new:
+            self._route(seq)
+        return True
+
+    def _route(self, seq: Sequence) -> None:
+        """Hand the request to the replica the router picks; with none alive, it waits for one
+        being rebuilt, or fails."""
+        index = self._router.pick(seq.token_ids, self.replicas)
+        if index is not None:
+            seq.replica = self.replicas[index]
+            self.replicas[index].scheduler.add(seq)
+        elif self._restarting:
+            self._parked.append(seq)
+        else:
+            _fail(seq, RankFailure(f"{self._all_down()}; call restart() or create a new LLM"))
+
+    def _all_down(self) -> str | None:
+        """Why no replica can serve, or None while one can."""
+        if self.replicas and all(r.down for r in self.replicas):
+            return "; ".join(r.down for r in self.replicas)
+        return None
+
+    def live_replicas(self) -> list[Replica]:
+        """On the loop thread: the replicas that take requests (every one but a broken one)."""
+        down = self._all_down()
+        if down is not None:
+            raise RankFailure(f"{down}; call restart() or create a new LLM")
+        return [r for r in self.replicas if r.down is None]
+
+    def serves(self, replica: Replica) -> bool:
+        """On the loop thread: whether `replica` is still one of this engine's (a restart or a
+        rebuild replaces the object, and the blocks and K/V it held go with the old one)."""
+        return any(r is replica for r in self.replicas)
+
+    def _has_work(self) -> bool:
+        return any(r.scheduler.has_work() for r in self.replicas)
 
     def _replica_failed(self, index: int, error: Exception) -> list[Sequence]:
         """A step of one replica raised. A bug fails its requests and it keeps serving; a broken
@@ -236,7 +244,7 @@ class EngineCore:
                 _fail(seq, error)
             return []
         replica.down = f"replica {index}: {error}"
-        replica.executor.shutdown()
+        replica.shutdown()
         if self._retry:
             log.warning("rebuilding %s", replica.down)
             self._restarting.add(index)
@@ -267,7 +275,7 @@ class EngineCore:
         def install() -> None:
             if epoch != self._epoch:  # restart() or shutdown() came first: the loop is another
                 if new is not None:
-                    new.executor.shutdown()
+                    new.shutdown()
                 return
             self._restarting.discard(index)
             if new is None:
@@ -282,7 +290,7 @@ class EngineCore:
             self.call(install)
         except EngineError:  # the engine stopped meanwhile
             if new is not None:
-                new.executor.shutdown()
+                new.shutdown()
 
     def _abort(self, seq: Sequence) -> None:
         for r in self.replicas:

@@ -53,7 +53,8 @@ class Sequence:
     error: str | None = None  # with FinishReason.ERROR: what the rank said
     kv_block_table: list[int] = field(default_factory=list)  # where its K/V stayed when it finished
     pin_kv: bool = False  # export_kv: on finishing, keep the blocks referenced for a KVHandle
-    replica: int = 0  # index of the replica serving it
+    # the Replica serving it (by identity: one rebuilt after a failure is another object)
+    replica: object = None
     retried: bool = False  # resumed once after its replica's group broke (never twice)
     # resolved by the step loop when the request ends; on_token sees each new token as it comes
     future: Future = field(default_factory=Future)

@@ -209,37 +209,6 @@ class Worker:
         k, v = self.cache.gather(layer, block_table, length)
         return k.cpu(), v.cpu()
 
-    def export_kv(self, items: list[tuple[list[int], int]]) -> list[list]:
-        """Publish this rank's K/V of each (block table, length) into the object store (a rank
-        without an actor, which another engine's ranks cannot call)."""
-        from engine.transfer.transport import transport_for
-
-        transport = transport_for(self.plan.device)
-        return [transport.publish(self.cache, table, length) for table, length in items]
-
-    def read_kv_heads(self, block_table: list[int], length: int, heads: list[int],
-                      layers: tuple[int, int]):
-        """Another engine's rank pulling some of this rank's heads of a pinned sequence."""
-        from engine.transfer.transport import read_heads
-
-        return read_heads(self.cache, block_table, length, heads, layers)
-
-    def import_kv(self, items: list[tuple], timeout_s: float) -> list[str | None]:
-        """Pull the heads this rank owns of each handed-off sequence (sources, owners, block
-        table, length) into its blocks. Never raises: a failure is reported per item, so the
-        driver decides for the whole group."""
-        from engine.transfer.transport import transport_for
-
-        transport, errors = transport_for(self.plan.device), []
-        for sources, owners, table, length in items:
-            try:
-                transport.fetch(self.cache, self.shard.heads.kv_heads, sources, owners, table,
-                                length, timeout_s)
-                errors.append(None)
-            except Exception as e:  # noqa: BLE001  reported to the driver, which frees the blocks
-                errors.append(f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
-        return errors
-
 
 def indexed_device(device: str) -> torch.device:
     """`device` with an index on CUDA: torch.cuda.set_device refuses a bare "cuda", and a

@@ -17,7 +17,8 @@ from engine.driver.engine_core import EngineCore
 from engine.driver.replica import Replica
 from engine.driver.sequence import FinishReason, Sequence
 from engine.errors import InvalidRequestError
-from engine.transfer.handle import KVHandle, ModelFingerprint, SourceRank
+from engine.transfer.handle import KVHandle, KVTransferError, ModelFingerprint, SourceRank
+from engine.transfer.transport import export_kv
 
 _LEASE_TIMEOUT_S = 30.0
 
@@ -58,14 +59,16 @@ class ExportTable:
     def _publish(self, seq: Sequence, fp: ModelFingerprint) -> KVHandle:
         import ray
 
-        replica = self._core.replicas[seq.replica]
-        table = seq.kv_block_table
-        actors = replica.executor.rank_actors()
+        replica, table = seq.replica, seq.kv_block_table
+        if not self._core.serves(replica):  # rebuilt or restarted since: the K/V went with it
+            raise KVTransferError(f"the replica that prefilled this prompt was replaced before "
+                                  f"its K/V could be exported; prefill it again")
+        actors = replica.rank_actors()
         if actors is not None:  # destination ranks ask these actors for the pinned blocks
             ranks = tuple(SourceRank(info.kv_heads, actor, tuple(table))
                           for info, actor in zip(replica.rank_info, actors))
         else:  # a rank in this process: no actor to ask, so it publishes now
-            per_rank = replica.executor.export_kv([(table, seq.num_prompt_tokens)])
+            per_rank = replica.run_on_ranks(export_kv, [(table, seq.num_prompt_tokens)])
             ranks = tuple(SourceRank(info.kv_heads, refs=tuple(tuple(layer) for layer in refs[0]))
                           for info, refs in zip(replica.rank_info, per_rank))
         handle_id = uuid.uuid4().hex
@@ -86,11 +89,9 @@ class ExportTable:
             except InvalidRequestError:  # shut down: the blocks went with the engine
                 pass
 
-    def _free(self, replica: int | Replica, table: list[int]) -> None:
-        replicas = self._core.replicas
-        r = replicas[replica] if isinstance(replica, int) else replica
-        if any(r is mine for mine in replicas):  # else restarted: those blocks are gone anyway
-            r.block_manager.unpin(table)
+    def _free(self, replica: Replica, table: list[int]) -> None:
+        if self._core.serves(replica):  # else replaced: those blocks are gone anyway
+            replica.unpin_kv(table)
 
     def release(self, handle: KVHandle) -> None:
         if not isinstance(handle, KVHandle):  # a PrefillOutput's repr would print its logits

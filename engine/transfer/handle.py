@@ -60,7 +60,6 @@ class KVHandle:
     ranks: tuple[SourceRank, ...]  # in source rank order
     lease: Any  # the source's lease table (a Ray actor): claim/settle/release by handle_id
     ttl_s: float
-    transport: str = "ray"
 
     @property
     def num_tokens(self) -> int:

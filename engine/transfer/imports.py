@@ -19,6 +19,7 @@ from engine.errors import InvalidRequestError
 from engine.plan import EnginePlan
 from engine.transfer.handle import (KVHandle, KVTransferError, ModelFingerprint, check_handle,
                                     head_owners)
+from engine.transfer.transport import import_kv
 
 _LEASE_TIMEOUT_S = 30.0
 
@@ -41,7 +42,8 @@ def adopt(core: EngineCore, plan: EnginePlan, fp: ModelFingerprint, handles: lis
         for h in handles:
             _claim(h)
             claimed.append(h)
-        seqs = core.call(lambda: _adopt_all(core.live_replicas(), handles, params, timeout_s))
+        seqs = core.call(lambda: _adopt_all(core.live_replicas(), handles, params,
+                                            plan.max_model_len, timeout_s))
     except BaseException:
         _settle(claimed, used=False)
         raise
@@ -75,7 +77,7 @@ def _settle(handles: list[KVHandle], used: bool) -> None:
 
 
 def _adopt_all(replicas: list[Replica], handles: list[KVHandle], params: SamplingParams,
-               timeout_s: float) -> list[Sequence]:
+               max_model_len: int, timeout_s: float) -> list[Sequence]:
     """On the loop thread: allocate, pull, register. All or nothing."""
     if not replicas:
         raise InvalidRequestError(SHUT_DOWN)
@@ -83,44 +85,45 @@ def _adopt_all(replicas: list[Replica], handles: list[KVHandle], params: Samplin
     placed = [0] * len(replicas)  # handles of this call given to each replica so far
     try:
         for h in handles:
-            taken.append(_allocate(replicas, h, placed))
+            taken.append(_allocate(replicas, h, placed, max_model_len))
         for replica in {id(r): r for r, _ in taken}.values():
             mine = [(h, t) for h, (r, t) in zip(handles, taken) if r is replica and t]
             if mine:
                 _pull(replica, mine, timeout_s)
     except BaseException:
         for replica, table in taken:
-            replica.block_manager.free_blocks(table)
+            replica.free_kv(table)
         raise
     return [_enter(r, h, t, params) for h, (r, t) in zip(handles, taken)]
 
 
-def _allocate(replicas: list[Replica], h: KVHandle, placed: list[int]) -> tuple[Replica, list[int]]:
+def _allocate(replicas: list[Replica], h: KVHandle, placed: list[int],
+              max_model_len: int) -> tuple[Replica, list[int]]:
     """Blocks for the handle's prompt and first token on the least loaded replica with room,
     counting the handles of this call already placed (their requests enter only at the end).
     A handle of exactly max_model_len tokens ends with its first token, as `generate` of that
     prompt does: it needs no blocks and no pull."""
-    if h.num_tokens >= replicas[0].scheduler.max_model_len:
+    if h.num_tokens >= max_model_len:
         return replicas[0], []
-    need = replicas[0].block_manager.blocks_for(h.num_tokens + 1)
-    roomy = [i for i, r in enumerate(replicas) if r.block_manager.num_free_blocks >= need]
-    if not roomy:
-        bm = max((r.block_manager for r in replicas), key=lambda b: b.num_free_blocks)
-        where = "the destination has" if len(replicas) == 1 else "its roomiest replica has"
-        raise InvalidRequestError(
-            f"{h!r} needs {need} blocks of {bm.block_size} tokens but {where} "
-            f"{bm.num_free_blocks} free of {bm.num_blocks}; raise kv_cache_gb, decode fewer "
-            f"handles at once, or wait for running requests to finish")
-    best = min(roomy, key=lambda i: replicas[i].load + placed[i])
-    placed[best] += 1
-    return replicas[best], replicas[best].block_manager.allocate_blocks(need)
+    for i in sorted(range(len(replicas)), key=lambda i: replicas[i].load + placed[i]):
+        table = replicas[i].reserve_kv(h.num_tokens + 1)
+        if table is not None:
+            placed[i] += 1
+            return replicas[i], table
+    block_size = h.fingerprint.block_size  # checked equal to this engine's
+    need = -(-(h.num_tokens + 1) // block_size)
+    free, total = max(r.kv_room() for r in replicas)
+    where = "the destination has" if len(replicas) == 1 else "its roomiest replica has"
+    raise InvalidRequestError(
+        f"{h!r} needs {need} blocks of {block_size} tokens but {where} {free} free of {total}; "
+        f"raise kv_cache_gb, decode fewer handles at once, or wait for running requests to finish")
 
 
 def _pull(replica: Replica, items: list[tuple[KVHandle, list[int]]], timeout_s: float) -> None:
     work = [(h.ranks, head_owners(h), table, h.num_tokens) for h, table in items]
     # the pull gives up well inside the step timeout, so a hung source fails this call and not
     # the destination's own group (whose wait on its ranks is bounded by that timeout)
-    per_rank = replica.executor.import_kv(work, 0.75 * timeout_s)
+    per_rank = replica.run_on_ranks(import_kv, work, 0.75 * timeout_s)
     for rank, errors in enumerate(per_rank):
         for (h, _), error in zip(items, errors):
             if error is not None:
@@ -135,6 +138,6 @@ def _enter(replica: Replica, h: KVHandle, table: list[int], params: SamplingPara
     seq.block_table = table
     seq.num_computed_tokens = h.num_tokens  # the prompt's K/V are in place; the first token's not
     seq.first_token_time = time.perf_counter()
-    if replica.scheduler.adopt(seq):  # finished at once: EOS or max_tokens=1
+    if replica.adopt(seq):  # finished at once: EOS or max_tokens=1
         seq.future.set_result(seq)
     return seq

@@ -27,12 +27,15 @@ from __future__ import annotations
 import time
 import warnings
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from engine.rank.kv_cache import KVCache
 from parallel.partition import Range
+
+if TYPE_CHECKING:
+    from engine.rank.worker import Worker
 
 LAYER_CHUNKS = 4  # pulls per source rank per request: enough to overlap, few enough calls
 
@@ -50,8 +53,6 @@ def read_heads(cache: KVCache, block_table: list[int], length: int, heads: list[
 
 
 class KVTransport(ABC):
-    name: str
-
     @abstractmethod
     def publish(self, cache: KVCache, block_table: list[int], length: int) -> list[list[Any]]:
         """On a source rank with no actor: make its K/V fetchable; refs[layer][local kv head]."""
@@ -65,8 +66,6 @@ class KVTransport(ABC):
 
 
 class RayTransport(KVTransport):
-    name = "ray"
-
     def publish(self, cache: KVCache, block_table: list[int], length: int) -> list[list[Any]]:
         import ray
 
@@ -100,8 +99,8 @@ class RayTransport(KVTransport):
         chunks = [(a, min(a + step, layers)) for a in range(0, layers, step)]
         # beside the source's own steps: a busy prefill engine must not hold up the pull (the
         # destination's decode loop waits on it); pinned blocks are never written by a step
-        refs = [source.actor.invoke_beside.remote(
-            "read_kv_heads", ((list(source.block_table), length, heads, c), {})) for c in chunks]
+        refs = [source.actor.run_beside.remote(read_kv_heads, list(source.block_table), length,
+                                               heads, c) for c in chunks]
         for chunk, ref in zip(chunks, refs):
             yield chunk, _as_tensor(ray.get(ref, timeout=_left(deadline)),
                                     (chunk[1] - chunk[0], 2, length, len(heads)), cache)
@@ -137,3 +136,35 @@ def transport_for(device: str) -> KVTransport:
     """The transport an engine's ranks use. CUDA ranks use it too until the NCCL transport
     exists (correct, with a host round trip)."""
     return RayTransport()
+
+
+# What a rank runs for a hand-off: `Replica.run_on_ranks(fn, ...)` or a source actor's
+# `run_beside(fn, ...)` calls `fn(worker, ...)` on the rank; module-level, so they travel by
+# reference, and the rank itself knows nothing of transfers.
+
+def export_kv(worker: Worker, items: list[tuple[list[int], int]]) -> list[list]:
+    """Publish this rank's K/V of each (block table, length) into the object store (a rank
+    without an actor, which another engine's ranks cannot call)."""
+    transport = transport_for(worker.plan.device)
+    return [transport.publish(worker.cache, table, length) for table, length in items]
+
+
+def read_kv_heads(worker: Worker, block_table: list[int], length: int, heads: list[int],
+                  layers: Range) -> Any:
+    """Another engine's rank pulling some of this rank's heads of a pinned sequence."""
+    return read_heads(worker.cache, block_table, length, heads, layers)
+
+
+def import_kv(worker: Worker, items: list[tuple], timeout_s: float) -> list[str | None]:
+    """Pull the heads this rank owns of each handed-off sequence (sources, owners, block
+    table, length) into its blocks. Never raises: a failure is reported per item, so the
+    driver decides for the whole group."""
+    transport, errors = transport_for(worker.plan.device), []
+    for sources, owners, table, length in items:
+        try:
+            transport.fetch(worker.cache, worker.shard.heads.kv_heads, sources, owners, table,
+                            length, timeout_s)
+            errors.append(None)
+        except Exception as e:  # noqa: BLE001  reported to the driver, which frees the blocks
+            errors.append(f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}")
+    return errors

@@ -1,14 +1,17 @@
 """A group of Ray actors, one per rank, joined in one torch.distributed process group.
 
-The group knows nothing of any model: it places `world_size` actors, makes them join a process
-group, then builds `worker_factory(*args, rank=r, world_size=n, **kwargs)` inside each actor and
-runs named methods of those workers on every rank at once (SPMD).
+The group knows nothing of any model: it places `world_size` actors of the worker class it is
+given, mixed with the plumbing every rank needs (`_RankHost`); each actor joins the process group,
+then runs the worker's constructor (`worker_class(*args, rank=r, world_size=n, **kwargs)`).
+`launch(fn, *args)` then runs `fn(worker, *args)` on every rank at once (SPMD): a method of the
+worker class as the actor's own method (`actor.execute.remote(batch)` is `Worker.execute`), any
+other function through the host's `run`.
 
 Every wait is bounded, so a dead or stuck rank becomes a `RankGroupError` (or the error type the
 caller names in `GroupOptions.error`) instead of a hang:
 - constructing: placement, joining the process group (with its warm-up all-reduce) and building the
   workers are each bounded by `init_timeout_s`; any failure tears the group down;
-- `call`: bounded by `step_timeout_s`. A dead actor or a timeout tears the group down (the other
+- `collect`: bounded by `step_timeout_s`. A dead actor or a timeout tears the group down (the other
   ranks would stay blocked in a collective). An exception raised by the worker on every rank is
   re-raised as itself (bad input, not a broken group) and the group stays usable; one raised on
   only some ranks is a `RankGroupError` and the group is left for the caller to shut down.
@@ -18,6 +21,7 @@ the driver's working directory on their `sys.path` (true for a local `ray.init`)
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, NoReturn
@@ -40,15 +44,13 @@ class GroupOptions:
     world_size: int
     device: str = "cpu"            # "cpu" or "cuda"
     init_timeout_s: float = 60.0   # bound on each construction phase (placement, join, build)
-    step_timeout_s: float = 30.0   # bound on any call() waiting for results
+    step_timeout_s: float = 30.0   # bound on any collect() waiting for results
     collective_timeout_s: float = 60.0  # torch.distributed's own bound on one collective
     # Set in each actor before the group forms, e.g. GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME.
     env: dict[str, str] = field(default_factory=dict)
     # Consecutive ranks that must share a node (a TP group); 0: all world_size ranks. Each such
     # block is one bundle of the placement group (see _place).
     ranks_per_node: int = 0
-    placement_group: object | None = None     # an existing ray PlacementGroup, one bundle per
-                                              # block of ranks_per_node ranks, left to its owner
     node_ids: list[str] | None = None         # pin each block of ranks to this Ray node
     num_cpus: float = 1.0                     # logical CPUs per rank; fractions share cores
     # How a broken group is reported: the caller's own exception type, built from the message.
@@ -59,11 +61,11 @@ class RankGroupError(RuntimeError):
     """A rank died, hung or failed: the message names the rank, its node and what to do."""
 
 
-# "peer": calls from outside the group (another engine's ranks reading this one's data) run on
-# their own thread, beside the group's own calls, which stay one at a time and in order
-@ray.remote(concurrency_groups={"peer": 1})
-class _RankActor:
-    """Hosts one rank: joins the process group, then builds and drives the worker."""
+class _RankHost:
+    """The plumbing of one rank actor, mixed into the worker class (`_actor_class`): set the
+    environment, join the process group, then run the worker's own constructor."""
+
+    _worker_class: type  # set on the mixed class
 
     def __init__(self, env: dict[str, str]) -> None:
         os.environ.update(env)
@@ -72,59 +74,73 @@ class _RankActor:
         os.environ.setdefault("PREFILL_NODE_IP", ray.util.get_node_ip_address())
         # Ranks of one group share a node's cores; one thread each avoids oversubscribing them.
         torch.set_num_threads(1)
-        self._rank = 0
-        self._world_size = 1
-        self._worker: Any = None
+        self._group_rank, self._group_size = 0, 1
 
-    def describe(self) -> tuple[str, str, int]:
-        return comm.node_ip(), ray.get_runtime_context().get_node_id(), os.getpid()
+    def describe(self) -> tuple[str, str]:
+        return comm.node_ip(), ray.get_runtime_context().get_node_id()
 
     def pick_port(self, host: str) -> int:
         return comm.free_port(host)
 
     def join(self, addr: str, port: int, rank: int, world_size: int, backend: str,
              timeout_s: float) -> None:
-        self._rank, self._world_size = rank, world_size
+        self._group_rank, self._group_size = rank, world_size
         comm.init_process_group(addr, port, rank, world_size, backend, timeout_s)
 
-    def build(self, factory: Callable[..., Any], args: tuple, kwargs: dict) -> None:
-        self._worker = factory(*args, rank=self._rank, world_size=self._world_size, **kwargs)
+    def build(self, args: tuple, kwargs: dict) -> None:
+        """The worker's constructor, run once the process group exists (it may use it)."""
+        self._worker_class.__init__(self, *args, rank=self._group_rank,
+                                    world_size=self._group_size, **kwargs)
 
-    def invoke(self, method: str, payload: tuple[tuple, dict]) -> Any:
-        args, kwargs = payload
-        return getattr(self._worker, method)(*args, **kwargs)
+    def run(self, fn: Callable[..., Any], *args: Any) -> Any:
+        return fn(self, *args)
 
+    # "peer": calls from outside the group (another engine's ranks reading this one's data)
+    # run on their own thread, beside the group's own calls, which stay one at a time, in order
     @ray.method(concurrency_group="peer")
-    def invoke_beside(self, method: str, payload: tuple[tuple, dict]) -> Any:
-        """`invoke`, but without waiting for the call in flight (a step can take seconds); only
-        for worker methods safe to run beside any other (e.g. reading data no step writes)."""
-        args, kwargs = payload
-        return getattr(self._worker, method)(*args, **kwargs)
+    def run_beside(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """`run`, but without waiting for the call in flight (a step can take seconds); only
+        for functions safe to run beside any other (e.g. reading data no step writes)."""
+        return fn(self, *args)
 
     def close(self) -> None:
-        self._worker = None
         comm.destroy()
 
 
-class RankGroup:
-    """`world_size` rank actors in one process group, each holding one worker object."""
+_HOST_NAMES = frozenset(name for name in vars(_RankHost) if not name.startswith("__"))
 
-    def __init__(self, worker_factory: Callable[..., Any], options: GroupOptions,
-                 *args: Any, **kwargs: Any) -> None:
+
+@functools.cache
+def _actor_class(worker_class: type) -> Any:
+    """The Ray actor class of one rank: `_RankHost` first, then the worker's own methods."""
+    clash = _HOST_NAMES & set(dir(worker_class))
+    if clash:
+        raise TypeError(f"{worker_class.__name__} defines {sorted(clash)}, names the rank actor "
+                        f"uses for its own plumbing; rename them in the worker class")
+    mixed = type(f"{worker_class.__name__}Rank", (_RankHost, worker_class),
+                 {"_worker_class": worker_class})
+    return ray.remote(concurrency_groups={"peer": 1})(mixed)
+
+
+class RankGroup:
+    """`world_size` rank actors in one process group, each one a `worker_class` object."""
+
+    def __init__(self, worker_class: type, options: GroupOptions, *args: Any,
+                 **kwargs: Any) -> None:
         if options.world_size < 1:
             raise ValueError(f"world_size must be at least 1, got {options.world_size}")
+        actor_class = _actor_class(worker_class)  # refuses a clashing worker before placing any
         self._options = options
-        self._owns_pg = options.placement_group is None
-        self._pg: Any = options.placement_group
+        self._worker_class = worker_class
+        self._pg: Any = None
         self._actors: list[Any] = []
         self._ips: list[str] = []
-        self._pids: list[int] = []
         self._node_ids: list[str] = []
         try:
             self._place()
-            self._start_actors()
+            self._start_actors(actor_class)
             self._join()
-            self._build(worker_factory, args, kwargs)
+            self._build(args, kwargs)
         except BaseException:
             self._teardown(graceful=False)
             raise
@@ -140,26 +156,26 @@ class RankGroup:
         """The Ray node id of each rank."""
         return list(self._node_ids)
 
-    def pids(self) -> list[int]:
-        return list(self._pids)
-
     def actors(self) -> list[Any]:
         """The rank actors, in rank order (e.g. for another group to call one directly)."""
         return list(self._actors)
 
-    def launch(self, method: str, *args: Any, **kwargs: Any) -> PendingCall:
-        """Start `worker.method(*args, **kwargs)` on every rank without waiting.
+    def launch(self, fn: Callable[..., Any], *args: Any) -> PendingCall:
+        """Start `fn(worker, *args)` on every rank without waiting. A method of the worker class
+        (`Worker.execute`) runs as the actor's own method; any other function runs through the
+        host's `run` (define it at module level, so it travels by reference).
 
-        The arguments are serialized once into the object store and every rank reads that copy.
+        Each argument is serialized once into the object store and every rank reads that copy.
         """
         if not self._actors:
             raise self._options.error("the rank group is shut down; create a new one")
-        payload = ray.put((args, kwargs))
-        return PendingCall(method, [actor.invoke.remote(method, payload) for actor in self._actors])
-
-    def call(self, method: str, *args: Any, **kwargs: Any) -> list:
-        """Run `worker.method(*args, **kwargs)` on every rank; the results in rank order."""
-        return self.collect(self.launch(method, *args, **kwargs))
+        refs = [ray.put(arg) for arg in args]
+        name = fn.__name__
+        if getattr(self._worker_class, name, None) is fn:
+            calls = [getattr(actor, name).remote(*refs) for actor in self._actors]
+        else:
+            calls = [actor.run.remote(fn, *refs) for actor in self._actors]
+        return PendingCall(name, calls)
 
     def collect(self, pending: PendingCall) -> list:
         """The results of a `launch`, in rank order, waiting at most `step_timeout_s`."""
@@ -214,31 +230,25 @@ class RankGroup:
         bundle = {"CPU": opts.num_cpus * per}
         if comm.is_cuda(opts.device):
             bundle["GPU"] = per
-        if self._pg is None:
-            selector = ([{NODE_ID_LABEL_KEY: node} for node in opts.node_ids]
-                        if opts.node_ids else None)
-            self._pg = placement_group([dict(bundle) for _ in range(blocks)], strategy="PACK",
-                                       bundle_label_selector=selector)
-        elif self._pg.bundle_count < blocks:
-            raise ValueError(f"the placement group has {self._pg.bundle_count} bundles, fewer "
-                             f"than the {blocks} blocks of {per} ranks")
+        selector = [{NODE_ID_LABEL_KEY: node} for node in opts.node_ids] if opts.node_ids else None
+        self._pg = placement_group([dict(bundle) for _ in range(blocks)], strategy="PACK",
+                                   bundle_label_selector=selector)
         ready, _ = ray.wait([self._pg.ready()], timeout=opts.init_timeout_s)
         if not ready:
             raise opts.error(_placement_advice(bundle, blocks, opts))
 
-    def _start_actors(self) -> None:
+    def _start_actors(self, actor_class: Any) -> None:
         opts = self._options
         for rank in range(opts.world_size):
             strategy = PlacementGroupSchedulingStrategy(
                 placement_group=self._pg, placement_group_bundle_index=rank // self._per_node)
-            self._actors.append(_RankActor.options(
+            self._actors.append(actor_class.options(
                 num_cpus=opts.num_cpus, num_gpus=1 if comm.is_cuda(opts.device) else 0,
                 scheduling_strategy=strategy).remote(dict(opts.env)))
         out = _gather([a.describe.remote() for a in self._actors], opts.init_timeout_s)
         self._check(out, "failed to start its actor")
-        self._ips = [ip for ip, _, _ in out.results]
-        self._pids = [pid for _, _, pid in out.results]
-        self._node_ids = [node for _, node, _ in out.results]
+        self._ips = [ip for ip, _ in out.results]
+        self._node_ids = [node for _, node in out.results]
 
     def _join(self) -> None:
         opts = self._options
@@ -260,10 +270,10 @@ class RankGroup:
         self._check(out, f"could not pick a rendezvous port on {addr}")
         return out.results[0]
 
-    def _build(self, factory: Callable[..., Any], args: tuple, kwargs: dict) -> None:
-        refs = [actor.build.remote(factory, args, kwargs) for actor in self._actors]
+    def _build(self, args: tuple, kwargs: dict) -> None:
+        refs = [actor.build.remote(args, kwargs) for actor in self._actors]
         self._check(_gather(refs, self._options.init_timeout_s), "failed to build its worker",
-                    "fix the worker factory (its traceback is above) or raise init_timeout_s")
+                    "fix the worker class (its traceback is above) or raise init_timeout_s")
 
     def _check(self, out: _Outcome, what: str, advice: str = "check that rank's log") -> None:
         failure = out.failure()
@@ -284,7 +294,7 @@ class RankGroup:
             _gather([actor.close.remote() for actor in actors], _CLOSE_TIMEOUT_S)
         for actor in actors:
             ray.kill(actor, no_restart=True)
-        if self._owns_pg and self._pg is not None:
+        if self._pg is not None:
             remove_placement_group(self._pg)
             self._pg = None
 
