@@ -221,30 +221,40 @@ def test_breaking_out_of_a_stream_under_aclosing_frees_its_request(llama, expect
     assert got == expected[2][:3] and used == 0
 
 
-def test_the_step_loop_reaches_the_rank_in_three_calls(llama, monkeypatch):
-    """The driver's share of issue 23's hop budget: `LLM.generate` calls `EngineCore.submit`
-    itself, and the loop thread's `EngineCore.step` reaches `Worker.execute` through
-    `Replica.launch` and the ranks' `launch` (here the in-process rank), with nothing between."""
+def test_a_request_reaches_a_decoder_layer_in_seven_hops(llama, monkeypatch):
+    """Issue 23's hop budget, the path the README gives: `LLM.generate` calls
+    `EngineCore.submit` itself (1); the loop thread's `EngineCore.step` (2) reaches
+    `Worker.execute` through `Replica.launch` and the ranks' `launch` (here the in-process
+    rank) (3-5), which runs `CausalLM.forward` (6) and so `DecoderLayer.forward` (7), with
+    nothing of the engine's between."""
     import traceback
+    from pathlib import Path
 
     from engine.driver.engine_core import EngineCore
-    from engine.rank.worker import Worker
+    from engine.rank.model import DecoderLayer
 
+    root = str(Path(__file__).resolve().parents[1])
     stacks: dict[str, list[str]] = {}
-    execute, submit = Worker.execute, EngineCore.submit
+    forward, submit = DecoderLayer.forward, EngineCore.submit
 
-    def recording_execute(worker, batch):
-        stacks["execute"] = [frame.name for frame in traceback.extract_stack()[:-1]]
-        return execute(worker, batch)
+    def ours(name: str) -> list[str]:  # the engine's own frames, not torch's module calls
+        stacks.setdefault(name, [f.name for f in traceback.extract_stack()[:-2]
+                                 if f.filename.startswith(root) and "/.venv/" not in f.filename])
+
+    def recording_forward(layer, *args):
+        ours("layer")
+        return forward(layer, *args)
 
     def recording_submit(core, seqs):
-        stacks["submit"] = [frame.name for frame in traceback.extract_stack()[:-1]]
+        ours("submit")
         return submit(core, seqs)
 
-    monkeypatch.setattr(Worker, "execute", recording_execute)
+    monkeypatch.setattr(DecoderLayer, "forward", recording_forward)
     monkeypatch.setattr(EngineCore, "submit", recording_submit)
     with LLM(llama) as llm:
         llm.generate(PROMPTS[:1], SamplingParams(max_tokens=1))
     assert stacks["submit"][-1] == "generate"
-    loop = stacks["execute"]
-    assert loop[loop.index("_run"):] == ["_run", "step", "launch", "launch"]
+    loop = stacks["layer"]
+    path = loop[loop.index("_run") + 1:]  # _run: the loop thread's target, looping on step
+    assert path == ["step", "launch", "launch", "execute", "forward"]
+    assert 1 + len(path) + 1 <= 7  # generate -> submit, then the path, then the layer

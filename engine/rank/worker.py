@@ -40,7 +40,7 @@ class Worker:
     def __init__(self, plan: EnginePlan, rank: int = 0, world_size: int = 1,
                  checkpoint: Checkpoint | None = None, device: str | None = None):
         """`device`: where this rank computes; None: the plan's device type at index 0, the one
-        GPU Ray shows a rank actor (the in-process executor passes the plan's own device)."""
+        GPU Ray shows a rank actor (an in-process rank passes the plan's own device)."""
         assert world_size == plan.world_size * plan.cp, (world_size, plan.world_size, plan.cp)
         if plan.num_threads:
             torch.set_num_threads(plan.num_threads)
