@@ -105,7 +105,9 @@ class TensorGroup:
     def __init__(self, group=None):
         self.group = group
         self.clock = CollectiveClock()
-        self._name: str | None = None
+        # the name a compiled graph's all-reduce finds this group by; registered here, never
+        # inside a traced forward (dynamo cannot trace writing the registry)
+        self.name = _register(self) if self.world_size() > 1 else ""
 
     def world_size(self) -> int:
         return dist.get_world_size(self.group) if dist.is_initialized() else 1
@@ -126,9 +128,7 @@ class TensorGroup:
         op there may not hand back its own input); it finds this group by its name."""
         if self.world_size() == 1:
             return x
-        if self._name is None:
-            self._name = _register(self)
-        return all_reduce_copy(x, self._name)
+        return all_reduce_copy(x, self.name)
 
     def _add_blocking(self, start: float, event, x: torch.Tensor) -> None:
         """A blocking collective begun at host time `start` (and CUDA event `event`) ended."""
