@@ -53,6 +53,9 @@ class EngineConfig:
     # "bfloat16": decode steps read bf16 copies of the projection weights (float32 models on a
     # CPU; +50 % weight memory); None: every step reads the model's own weights
     decode_dtype: str | None = None
+    # "measure": a CPU rank times its candidate kernels at start-up and runs the fastest per
+    # shape (engine.rank.kernel_choice; kept on disk); "fixed": the built-in choice, untimed
+    kernel_choice: str = "measure"
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
@@ -105,6 +108,9 @@ class EngineConfig:
             _positive_number(name, getattr(self, name), unit)
         _require(self.attention_backend in ("auto", "torch", "triton"),
                  f"attention_backend={self.attention_backend!r}: use 'auto', 'torch' or 'triton'")
+        _require(self.kernel_choice in ("measure", "fixed"),
+                 f"kernel_choice={self.kernel_choice!r}: use 'measure' (time the CPU kernels at "
+                 f"start-up) or 'fixed' (the built-in choice)")
         if self.decode_dtype is not None:
             _check_decode_dtype(self)
         if self.cp > 1:

@@ -54,6 +54,7 @@ class EnginePlan:
     cp: int = 1  # context-parallel ranks; a replica is world_size (TP) x cp rank actors
     decode_dtype: torch.dtype | None = None  # weights decode steps read, if not the model's
     max_num_batched_tokens: int = 8192  # the most tokens one step holds (the scheduler's budget)
+    measure_kernels: bool = False  # a CPU rank times its kernels at start-up (kernel_choice)
 
     @property
     def on_cuda(self) -> bool:
@@ -84,6 +85,8 @@ class RankInfo:
     warmup_s: float  # compilation at start-up
     load_s: float  # reading the weights, digest included
     weight_digest_s: float  # of load_s: digesting them (engine/loading/weight_digest.py)
+    kernels: list[str]  # the CPU kernels timed and picked per shape (engine.rank.kernel_choice)
+    kernel_choice_s: float  # start-up seconds spent timing them (~0 when kept on disk)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -141,7 +144,8 @@ def make_plan(cfg: EngineConfig, source: str, mc: ModelConfig) -> EnginePlan:
                       even_ranges(mc.intermediate_size, cfg.tp), even_ranges(mc.vocab_size, cfg.tp),
                       overlap_comm=cfg.overlap_comm, cp=cfg.cp,
                       decode_dtype=DTYPES.get(cfg.decode_dtype),
-                      max_num_batched_tokens=cfg.max_num_batched_tokens)
+                      max_num_batched_tokens=cfg.max_num_batched_tokens,
+                      measure_kernels=cfg.kernel_choice == "measure" and cfg.device == "cpu")
 
 
 def _num_blocks(cfg: EngineConfig, mc: ModelConfig, heads: list[HeadPartition],

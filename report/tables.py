@@ -68,11 +68,28 @@ def _model_part(d: dict) -> Part:
     m, hw = d["model"], d["hardware"]
     lines = [f"rank {r['rank']}: query heads {r['q_heads']}, KV heads {r['kv_heads']}, FFN cols {r['ffn']}, "
              f"vocab rows {r['vocab']}, {si(r['weight_bytes'], 'B')} of weights" for r in m["ranks"]]
+    lines += _kernel_lines(m["ranks"][0].get("kernels", []))
     lines.append(f"roof: {hw['name']}: {si(hw['peak_flops'], 'FLOP/s')}, {si(hw['peak_bytes_per_s'], 'B/s')}, "
                  f"ridge at {hw['ridge_flops_per_byte']:.1f} FLOP/byte")
     return Part("model", f"2. The model {m['name']}: {m['layers']} layers, d_model {m['hidden']}, {m['heads']} "
                 f"query / {m['kv_heads']} KV heads of dim {m['head_dim']}, FFN {m['ffn']}, vocab {m['vocab']}, "
                 f"{si(m['params'], 'params')}, {m['dtype']}, tp={m['tp']}", lines)
+
+
+def _kernel_lines(picks: list[str]) -> list[str]:
+    """How many (shape, row bucket) cases each kernel won when timed at start-up."""
+    if not picks:
+        return ["kernels: the built-in choice (kernel_choice='fixed', or not a CPU)"]
+    lines = []
+    for op in ("linear", "attention"):
+        won: dict[str, int] = {}
+        for pick in (p for p in picks if p.startswith(op + " ")):
+            kernel = pick.split(": ", 1)[1].split(" ", 1)[0]
+            won[kernel] = won.get(kernel, 0) + 1
+        lines.append(f"{op} kernels timed here at start-up (rank 0): "
+                     + ", ".join(f"{k} fastest in {n} of {sum(won.values())} shape/row cases"
+                                 for k, n in sorted(won.items())))
+    return lines
 
 
 def _kv_part(d: dict) -> Part:

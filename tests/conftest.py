@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# the CPU kernel timings (engine.rank.kernel_choice) of this run, apart from the user's own
+os.environ.setdefault("PREFILL_ENGINE_CACHE", tempfile.mkdtemp(prefix="prefill-engine-test-"))
 # Triton decides interpreter vs compiled when a kernel is decorated, i.e. at import: set it before
 # any test module imports triton. A machine with a GPU runs the kernels compiled.
 if not torch.cuda.is_available():

@@ -123,7 +123,7 @@ def _last_step(records: list[dict]) -> list[dict]:
 def _model_section(llm) -> dict:
     mc, cfg = llm.model_config, llm.config
     ranks = [{k: getattr(info, k) for k in ("rank", "q_heads", "kv_heads", "ffn", "vocab",
-                                            "weight_bytes")} for info in llm.rank_info()]
+                                            "weight_bytes", "kernels")} for info in llm.rank_info()]
     return {"name": cfg.model, "layers": mc.num_layers, "hidden": mc.hidden_size,
             "heads": mc.num_heads, "kv_heads": mc.num_kv_heads, "head_dim": mc.head_dim,
             "ffn": mc.intermediate_size, "vocab": mc.vocab_size, "params": mc.num_params,

@@ -7,6 +7,8 @@ implementation runs them is the step's choice (`StepContext.ops`), made once per
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -15,6 +17,9 @@ from engine.rank.blocked_attention import blocked_causal_attention
 from engine.rank.kv_cache import KVCache
 from engine.rank.step_context import StepContext
 from engine.rank.step_metadata import StepMetadata
+
+# (q_len, dtype) -> the kernel for a prompt of q_len > 1 tokens, or None for SDPA
+PromptKernel = Callable[[int, torch.dtype], Callable | None]
 
 
 class KVStore(nn.Module):
@@ -46,7 +51,7 @@ def _causal_mask(q_len: int, kv_len: int, device) -> torch.Tensor:
     return torch.arange(kv_len, device=device).unsqueeze(0) <= q_pos
 
 
-def _sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
+def sdpa_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
           shared_kv: bool) -> torch.Tensor:
     """torch's SDPA of one sequence's queries [q_len, hq, d], the last q_len positions of keys/
     values [kv_len, h, d] (h = hkv with shared_kv, else hq)."""
@@ -61,10 +66,18 @@ def _sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: floa
     return o[0].transpose(0, 1)
 
 
+def fixed_prompt_kernel(q_len: int, dtype: torch.dtype) -> Callable | None:
+    """The prompt attention when none was measured (engine.rank.kernel_choice): blocked bf16
+    matmuls for a bf16 prompt (2.5x torch's CPU flash kernel on an AVX512-BF16 EPYC); None:
+    SDPA."""
+    return blocked_causal_attention if dtype == torch.bfloat16 else None
+
+
 def torch_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    cache: KVCache, meta: StepMetadata, scale: float) -> torch.Tensor:
+                    cache: KVCache, meta: StepMetadata, scale: float,
+                    prompt_kernel: PromptKernel = fixed_prompt_kernel) -> torch.Tensor:
     """q: [T, hq, d], k/v: [T, hkv, d] for the new tokens, already stored in the cache.
-    Returns [T, hq, d]."""
+    Returns [T, hq, d]. A CPU prompt of more than one token runs `prompt_kernel`'s pick."""
     out = torch.empty_like(q)
     bounds = meta.cu_seqlens_q
     for i, kv_len in enumerate(meta.context_lens):
@@ -76,9 +89,10 @@ def torch_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         if not meta.uniform_groups:  # uneven groups on this rank: one KV copy per query head
             keys = keys.index_select(1, meta.kv_head_of_q)
             values = values.index_select(1, meta.kv_head_of_q)
-        if e - s > 1 and q.dtype == torch.bfloat16 and q.device.type == "cpu":
-            # a bf16 prompt: bf16 matmuls by query blocks, 2.5x torch's CPU flash kernel there
-            out[s:e] = blocked_causal_attention(q[s:e], keys, values, scale)
+        kernel = (prompt_kernel(e - s, q.dtype) if e - s > 1 and q.device.type == "cpu"
+                  else None)
+        if kernel is not None:
+            out[s:e] = kernel(q[s:e], keys, values, scale)
         else:
-            out[s:e] = _sdpa(q[s:e], keys, values, scale, meta.uniform_groups)
+            out[s:e] = sdpa_attention(q[s:e], keys, values, scale, meta.uniform_groups)
     return out

@@ -16,14 +16,14 @@ import torch.nn.functional as F
 
 _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 # read once: torch.compile cannot trace the query, and a graph would break at every projection
-_HAVE_ONEDNN = torch.backends.mkldnn.is_available()
+HAVE_ONEDNN = torch.backends.mkldnn.is_available()
 
 
 def _onednn_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     # a strided weight (a column slice) sends oneDNN down a path ~200x slower than F.linear
     return (weight.device.type == "cpu" and weight.dtype in _ONEDNN_DTYPES
             and weight.is_contiguous() and x.dtype == weight.dtype and x.dim() == 2
-            and _HAVE_ONEDNN)
+            and HAVE_ONEDNN)
 
 
 def _low_precision(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -75,7 +75,7 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     if weight.is_mkldnn or (weight.dtype == torch.bfloat16 and x.dtype == torch.float32
-                            and weight.device.type == "cpu" and _HAVE_ONEDNN):
+                            and weight.device.type == "cpu" and HAVE_ONEDNN):
         return _low_precision(x, weight, bias)
     if not _onednn_usable(x, weight):
         return F.linear(x, weight, bias)
@@ -83,5 +83,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         if _few_fixed_rows(x):
             return _matvec(x, weight, bias)
         return onednn_linear(x, weight, bias)
-    # called directly when eager: the custom-op wrapper costs ~10 us, 120 times a decode step
+    return eager_onednn_linear(x, weight, bias)
+
+
+def eager_onednn_linear(x: torch.Tensor, weight: torch.Tensor,
+                        bias: torch.Tensor | None = None) -> torch.Tensor:
+    """oneDNN's inner product called directly (eager only): the custom-op wrapper costs ~10 us,
+    120 times a decode step. x: 2-D; weight: contiguous, x's dtype, float32 or bfloat16."""
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")

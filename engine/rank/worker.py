@@ -22,6 +22,7 @@ from engine.rank.context_parallel import ContextParallelSteps, context_parallel_
 from engine.rank.decode_weights import decode_view
 from engine.rank.host_memory import keep_freed_memory
 from engine.rank.kernels.launch_config import tuning_steps
+from engine.rank.kernel_choice import KernelChoice, projection_weights
 from engine.rank.kv_cache import KVCache
 from engine.rank.model import CausalLM
 from engine.rank.overlap import with_halves
@@ -57,11 +58,15 @@ class Worker:
         if groups is not None:
             self.backend = context_parallel_backend(self.backend)
         self.tp = groups.tensor if groups is not None else TensorGroup()
+        self.kernels = KernelChoice(plan.dtype)  # filled by measure(); fixed choices until then
+        if not plan.on_cuda:
+            self.backend = self.kernels.applied_to(self.backend)
         self.model = CausalLM(plan.model, shard, plan.max_model_len, self.backend, self.tp)
         started = time.perf_counter()
         self.digest = load_weights(self.model, checkpoint or open_checkpoint(plan.source),
                                    self.device, plan.dtype)
         self.load_s = time.perf_counter() - started
+        self.kernel_choice_s = self._measure_kernels() if plan.measure_kernels else 0.0
         self.decode_model, self.decode_bytes = (
             decode_view(self.model, self.tp, plan.decode_dtype, packed=not plan.compile)
             if plan.decode_dtype is not None else (None, 0))
@@ -78,6 +83,14 @@ class Worker:
         self._tracer: OpTracer | None = None
         self.compiled = CompiledModel(self.model, self.decode_model) if plan.compile else None
         self.warmup_s = self._warm_up()
+
+    def _measure_kernels(self) -> float:
+        started, heads = time.perf_counter(), self.shard.heads
+        self.kernels.measure(projection_weights(self.model),
+                             (heads.num_q_heads, heads.num_kv_heads, self.plan.model.head_dim),
+                             self.plan.max_num_batched_tokens,
+                             lm_head_shape=tuple(self.model.lm_head.weight.shape))
+        return time.perf_counter() - started
 
     def _warm_up(self) -> float:
         """Compile (compile=True) and tune (Triton on a GPU) at start-up; seconds taken."""
@@ -169,7 +182,8 @@ class Worker:
                         self.plan.kv_bytes_per_token(heads.num_kv_heads), self.cache.num_blocks,
                         self.cache.nbytes, os.getpid(),
                         self.compiled is not None and self.compiled.usable, self.warmup_s,
-                        self.load_s, self.digest.seconds)
+                        self.load_s, self.digest.seconds, self.kernels.describe(),
+                        self.kernel_choice_s)
 
     def weight_digest(self) -> Slices:
         """The digests of every weight slice this rank loaded (the driver combines them)."""

@@ -1,0 +1,271 @@
+"""Which CPU kernel runs each projection and each prompt's attention, decided by timing the
+candidates on this machine, at the shapes this rank runs, and keeping the fastest.
+
+Why measure instead of a rule: a choice measured faster on one of our CPUs was slower on another
+(oneDNN's inner product beat MKL by 2x on an AMD EPYC, where MKL takes a slow path, and lost at
+some shapes on an Intel Xeon with AMX; blocked bf16 attention beat SDPA by 2.5x on the EPYC).
+The built-in choice is always among the candidates, so a CPU where it is fastest keeps it.
+
+A projection's time depends on its weight's shape and the number of rows: rows are bucketed by
+powers of 4 (1, 2-4, 5-16, ..., 1025-4096, more) and each bucket is timed at its largest row count
+(capped at the step's token budget). A prompt's attention is bucketed the same way by its length.
+Timings are kept on disk per CPU model, torch version, thread count and shape
+(`$PREFILL_ENGINE_CACHE`, else ~/.cache/prefill-engine), so only the first start-up on a machine
+pays for them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.rank import gemm
+from engine.rank.attention import fixed_prompt_kernel, sdpa_attention, torch_attention
+from engine.rank.backend import Backend
+from engine.rank.blocked_attention import blocked_causal_attention
+from parallel.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
+
+LM_HEAD_ROWS = 64  # above this many logits rows (scoring a prompt) the LM head is untimed
+# the most rows timed: larger steps take the pick of the largest bucket timed (a projection's
+# kernel ranks alike from ~1k rows on, and timing 8k-token attention would take seconds)
+MAX_TIMED_ROWS = 2048
+# another kernel replaces the built-in one only when at least this much faster: timings on a
+# shared machine jitter by more than the gaps between close candidates
+MARGIN = 1.10
+
+
+def linear_kernels() -> dict[str, Callable]:
+    """(x, weight, bias) -> x Wᵀ + b. "torch": F.linear, torch's own CPU GEMM (MKL for float32 on
+    x86); "onednn": oneDNN's inner product, the built-in choice on any CPU (engine.rank.gemm)."""
+    kernels = {"torch": F.linear}
+    if gemm.HAVE_ONEDNN:
+        kernels["onednn"] = gemm.eager_onednn_linear
+    return kernels
+
+
+BUILT_IN_LINEAR = "onednn"  # what engine.rank.gemm runs on a CPU with oneDNN
+
+
+def _sdpa_prompt(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    return sdpa_attention(q, k, v, scale, shared_kv=k.shape[1] != q.shape[1])
+
+
+# (q [Tq, hq, d], k/v [Tk, hkv, d], scale) -> [Tq, hq, d]: a prompt's causal attention
+ATTENTION_KERNELS: dict[str, Callable] = {"sdpa": _sdpa_prompt, "blocked": blocked_causal_attention}
+
+
+def projection_weights(model: nn.Module) -> list[torch.Tensor]:
+    """The weight of every projection the model runs through its backend's `linear`."""
+    return [m.weight for m in model.modules()
+            if isinstance(m, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead))]
+
+
+def row_bucket(rows: int) -> int:
+    """b such that 4**(b-1) < rows <= 4**b (rows >= 1)."""
+    return ((rows - 1).bit_length() + 1) // 2
+
+
+def fastest(candidates: dict[str, Callable[[], object]], min_rounds: int = 5,
+            min_seconds: float = 0.01, max_rounds: int = 50) -> dict[str, float]:
+    """The best time of each candidate over alternating rounds, after one untimed call each
+    (oneDNN builds its primitive on the first call): at least `min_rounds`, and more (up to
+    `max_rounds`) until each has run `min_seconds` in all, so a tiny op's best is not one
+    scheduler hiccup away from another's."""
+    for fn in candidates.values():
+        fn()
+    best = {name: float("inf") for name in candidates}
+    spent = dict.fromkeys(candidates, 0.0)
+    for round_ in range(max_rounds):
+        if round_ >= min_rounds and min(spent.values()) >= min_seconds:
+            break
+        for name, fn in candidates.items():
+            start = time.perf_counter()
+            fn()
+            took = time.perf_counter() - start
+            best[name], spent[name] = min(best[name], took), spent[name] + took
+    return best
+
+
+@dataclass(slots=True)
+class Pick:
+    """One decision: the op, the shape it covers, each candidate's time, and the winner."""
+
+    op: str  # "linear" or "attention"
+    shape: tuple[int, ...]  # a weight's (out, in), or attention's (heads, kv heads, head dim)
+    rows: int  # the row count (tokens) timed: the top of its bucket
+    built_in: str  # the kernel run without measuring
+    seconds: dict[str, float] = field(default_factory=dict)
+    from_disk: bool = False
+
+    @property
+    def kernel(self) -> str:
+        """The fastest, unless the built-in kernel is within MARGIN of it."""
+        best = min(self.seconds, key=self.seconds.get)
+        kept = self.seconds.get(self.built_in, float("inf"))
+        return self.built_in if kept <= self.seconds[best] * MARGIN else best
+
+    def describe(self) -> str:
+        times = ", ".join(f"{k} {s * 1e3:.3g} ms" for k, s in sorted(self.seconds.items()))
+        return (f"{self.op} {'x'.join(map(str, self.shape))} at {self.rows} rows: "
+                f"{self.kernel} ({times}{', kept on disk' if self.from_disk else ''})")
+
+
+@dataclass(slots=True)
+class KernelChoice:
+    """The kernels a CPU rank runs, per shape and row bucket. Empty (before `measure`, or when
+    measuring is off) it runs the built-in choices. It is the backend's `linear` and its prompt
+    attention's chooser, so a choice costs a dictionary lookup per call."""
+
+    dtype: torch.dtype
+    picks: list[Pick] = field(default_factory=list)
+    _linear: dict[tuple[int, int, int], Callable] = field(default_factory=dict)
+    _attention: dict[tuple[torch.dtype, int], Callable] = field(default_factory=dict)
+    _top_bucket: int = 0  # the largest bucket timed; more rows take its picks
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+        if (x.dim() == 2 and x.dtype == weight.dtype and not torch.compiler.is_compiling()
+                and not weight.is_mkldnn and weight.is_contiguous()):
+            bucket = min(row_bucket(x.shape[0]), self._top_bucket)
+            kernel = self._linear.get((weight.shape[0], weight.shape[1], bucket))
+            if kernel is not None:
+                return kernel(x, weight, bias)
+        return gemm.linear(x, weight, bias)  # graphs, packed or mixed-dtype weights, unmeasured
+
+    def prompt_kernel(self, q_len: int, dtype: torch.dtype) -> Callable | None:
+        """The attention of a prompt (or prompt chunk) of q_len > 1 tokens: blocked, or None
+        for SDPA (engine.rank.attention). A chunk after a cached prefix takes the choice timed
+        for a whole prompt of its length."""
+        kernel = self._attention.get((dtype, min(row_bucket(q_len), self._top_bucket)))
+        if kernel is None:
+            return fixed_prompt_kernel(q_len, dtype)
+        return None if kernel is _sdpa_prompt else kernel
+
+    def measure(self, weights: list[torch.Tensor], heads: tuple[int, int, int],
+                max_tokens: int, lm_head_shape: tuple[int, ...] | None = None) -> None:
+        """Time every candidate at every (weight shape, row bucket) and (attention, length
+        bucket) up to `max_tokens` rows; the LM head's only up to LM_HEAD_ROWS, its rows being
+        the sequences that sample (larger ones: the largest timed). Timings of the same machine and shape come from disk."""
+        store, linears = TimingStore.open(), linear_kernels()
+        max_tokens = min(max_tokens, MAX_TIMED_ROWS)
+        self._top_bucket = row_bucket(max_tokens)
+        for shape, weight in {tuple(w.shape): w for w in weights}.items():
+            top = min(LM_HEAD_ROWS, max_tokens) if shape == lm_head_shape else max_tokens
+            for bucket in range(row_bucket(top) + 1):
+                rows = min(4 ** bucket, top)
+                pick = store.get_or_time(Pick("linear", shape, rows, BUILT_IN_LINEAR),
+                                         self.dtype, linears,
+                                         lambda: _time_linear(linears, weight, rows))
+                self.picks.append(pick)
+                self._linear[(*shape, bucket)] = linears[pick.kernel]
+        for bucket in range(1, row_bucket(max_tokens) + 1):  # one-token prompts run as decode
+            rows = min(4 ** bucket, max_tokens)
+            built_in = "sdpa" if fixed_prompt_kernel(rows, self.dtype) is None else "blocked"
+            pick = store.get_or_time(Pick("attention", heads, rows, built_in), self.dtype,
+                                     ATTENTION_KERNELS,
+                                     lambda: _time_attention(heads, rows, self.dtype))
+            self.picks.append(pick)
+            self._attention[(self.dtype, bucket)] = ATTENTION_KERNELS[pick.kernel]
+        store.save()
+
+    def applied_to(self, backend: Backend) -> Backend:
+        """`backend` with its projections, and the torch backend's prompt attention, asking this
+        choice first."""
+        if backend.attention is not torch_attention:  # Triton's own attention
+            return dataclasses.replace(backend, linear=self.linear)
+        return dataclasses.replace(backend, linear=self.linear,
+                                   attention=partial(torch_attention,
+                                                     prompt_kernel=self.prompt_kernel))
+
+    def describe(self) -> list[str]:
+        return [p.describe() for p in self.picks]
+
+
+def _time_linear(kernels: dict[str, Callable], weight: torch.Tensor,
+                 rows: int) -> dict[str, float]:
+    x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
+    return fastest({name: (lambda k=k: k(x, weight, None)) for name, k in kernels.items()})
+
+
+def _time_attention(heads: tuple[int, int, int], tokens: int,
+                    dtype: torch.dtype) -> dict[str, float]:
+    num_q, num_kv, head_dim = heads
+    q = torch.randn(tokens, num_q, head_dim, dtype=dtype)
+    k, v = (torch.randn(tokens, num_kv, head_dim, dtype=dtype) for _ in range(2))
+    return fastest({name: (lambda a=a: a(q, k, v, head_dim ** -0.5))
+                    for name, a in ATTENTION_KERNELS.items()}, min_rounds=3)
+
+
+def machine_key() -> str:
+    """What a timing depends on besides the shape: the CPU model and its vector extensions,
+    the torch build and the threads it runs."""
+    model, flags = platform.processor(), ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = f.read().splitlines()
+        model = next((l.split(":", 1)[1].strip() for l in lines if l.startswith("model name")),
+                     model)
+        present = set(next((l.split(":", 1)[1].split() for l in lines if l.startswith("flags")),
+                           []))
+        flags = ",".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in present)
+    except OSError:
+        pass
+    return f"{model}|{flags}|torch {torch.__version__}|{torch.get_num_threads()} threads"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("PREFILL_ENGINE_CACHE")
+                or Path.home() / ".cache" / "prefill-engine")
+
+
+class TimingStore:
+    """Timings kept on disk, one JSON file; an entry that does not read back as the same
+    candidates' times is measured again, never trusted."""
+
+    def __init__(self, path: Path, entries: dict):
+        self.path, self.entries, self.changed = path, entries, False
+
+    @classmethod
+    def open(cls) -> "TimingStore":
+        path = cache_dir() / "kernel_timings.json"
+        try:
+            entries = json.loads(path.read_text())
+        except (OSError, ValueError):
+            entries = {}
+        return cls(path, entries if isinstance(entries, dict) else {})
+
+    def get_or_time(self, pick: Pick, dtype: torch.dtype, candidates: dict[str, Callable],
+                    measure: Callable[[], dict[str, float]]) -> Pick:
+        """`pick` with the kept timings of exactly these candidates, or with new ones."""
+        key = f"{machine_key()}|{pick.op}|{dtype}|{pick.shape}|{pick.rows}"
+        kept = self.entries.get(key)
+        if (isinstance(kept, dict) and set(kept) == set(candidates)
+                and all(isinstance(s, (int, float)) and s > 0 for s in kept.values())):
+            pick.seconds, pick.from_disk = dict(kept), True
+            return pick
+        pick.seconds = measure()
+        self.entries[key], self.changed = pick.seconds, True
+        return pick
+
+    def save(self) -> None:
+        """Written whole, through a rename, so a reader never sees half a file; two ranks saving
+        at once lose at most each other's new entries (measured again next time)."""
+        if not self.changed:
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(self.entries, indent=0, sort_keys=True))
+            os.replace(tmp, self.path)
+        except OSError:
+            pass  # a read-only home: the choice holds for this run, it is just not kept

@@ -1,0 +1,150 @@
+"""engine.rank.kernel_choice: the CPU kernels timed at start-up. Whatever is picked computes the
+same products as a float64 reference; a clearly slower candidate loses and a close one leaves the
+built-in kernel in place; timings are kept on disk and a damaged file is measured over."""
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+import torch
+
+from engine import LLM, SamplingParams
+from engine.errors import ConfigError
+from engine.rank import kernel_choice as kc
+from engine.rank.attention import torch_attention
+from engine.rank.kv_cache import KVCache
+from engine.rank.step_metadata import build_step_metadata
+
+HEADS = (4, 2, 16)  # query heads, KV heads, head dim
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("PREFILL_ENGINE_CACHE", str(tmp_path))
+    return tmp_path / "kernel_timings.json"
+
+
+def _measured(dtype=torch.float32, max_tokens=64) -> tuple[kc.KernelChoice, list[torch.Tensor]]:
+    gen = torch.Generator().manual_seed(0)
+    weights = [(torch.randn(out, 32, generator=gen) / 6).to(dtype) for out in (48, 64)]
+    choice = kc.KernelChoice(dtype)
+    choice.measure(weights, HEADS, max_tokens)
+    return choice, weights
+
+
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 64, 100])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_every_pick_computes_the_product(cache, rows, dtype, tol):
+    choice, weights = _measured(dtype)
+    x = torch.randn(rows, 32).to(dtype)
+    bias = torch.randn(48).to(dtype)
+    for w, b in ((weights[0], bias), (weights[1], None)):
+        ref = x.double() @ w.double().t() + (0 if b is None else b.double())
+        torch.testing.assert_close(choice.linear(x, w, b).double(), ref, rtol=0, atol=tol * 4)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_every_attention_candidate_is_causal_attention(dtype, tol):
+    """Each candidate, whole prompt or a chunk after a cached prefix, against the softmax formula."""
+    gen = torch.Generator().manual_seed(1)
+    num_q, num_kv, d = HEADS
+    q, k, v = (torch.randn(n, h, d, generator=gen).to(dtype)
+               for n, h in ((7, num_q), (20, num_kv), (20, num_kv)))
+    kf, vf = (t.double().repeat_interleave(num_q // num_kv, dim=1) for t in (k, v))
+    scores = torch.einsum("qhd,khd->hqk", q.double(), kf) * d ** -0.5
+    seen = torch.arange(20)[None, :] <= torch.arange(13, 20)[:, None]
+    ref = torch.einsum("hqk,khd->qhd", scores.masked_fill(~seen, float("-inf")).softmax(-1), vf)
+    for name, kernel in kc.ATTENTION_KERNELS.items():
+        if name == "sdpa":  # the masked chunk is attention.sdpa_attention's, checked elsewhere
+            whole = kernel(q[:7].double(), k[:7].double(), v[:7].double(), d ** -0.5)
+            continue
+        torch.testing.assert_close(kernel(q, k, v, d ** -0.5).double(), ref, rtol=0, atol=tol)
+    torch.testing.assert_close(whole, kc.ATTENTION_KERNELS["blocked"](
+        q[:7].double(), k[:7].double(), v[:7].double(), d ** -0.5), rtol=0, atol=1e-9)
+
+
+def test_the_step_attention_follows_the_pick(cache):
+    """torch_attention with a choice's prompt kernel gives what it gives with the built-in rule,
+    whichever kernel was picked, for a prompt and a chunk after a cached prefix."""
+    choice, _ = _measured()
+    num_q, num_kv, d = HEADS
+    kv = KVCache(1, 4, 16, num_kv, d, torch.float32, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(2)
+    for context, new in ((20, 20), (30, 10)):
+        q = torch.randn(new, num_q, d, generator=gen)
+        k, v = (torch.randn(new, num_kv, d, generator=gen) for _ in range(2))
+        meta = build_step_metadata([0, new], [context], [[0, 1]], list(range(context - new, context)),
+                                   [h * num_kv // num_q for h in range(num_q)], "cpu")
+        kv.store(0, k, v, meta.slot_mapping)
+        fixed = torch_attention(0, q, k, v, kv, meta, d ** -0.5)
+        chosen = torch_attention(0, q, k, v, kv, meta, d ** -0.5, prompt_kernel=choice.prompt_kernel)
+        torch.testing.assert_close(chosen, fixed, rtol=0, atol=1e-5)
+
+
+def test_a_clearly_slower_kernel_loses_and_a_close_one_keeps_the_built_in():
+    times = kc.fastest({"slow": lambda: time.sleep(0.003), "fast": lambda: None}, min_rounds=2,
+                       min_seconds=0)
+    assert times["slow"] >= 0.003 > times["fast"]
+    assert kc.Pick("linear", (8, 8), 1, built_in="slow", seconds=times).kernel == "fast"
+    close = {"onednn": 1.05e-3, "torch": 1.0e-3}  # within MARGIN of each other
+    assert kc.Pick("linear", (8, 8), 1, built_in="onednn", seconds=close).kernel == "onednn"
+    assert kc.Pick("linear", (8, 8), 1, built_in="torch", seconds=close).kernel == "torch"
+
+
+@pytest.mark.parametrize("rows,bucket", [(1, 0), (2, 1), (4, 1), (5, 2), (16, 2), (17, 3),
+                                         (1024, 5), (1025, 6), (4096, 6), (4097, 7)])
+def test_row_buckets(rows, bucket):
+    assert kc.row_bucket(rows) == bucket
+
+
+def test_timings_are_kept_and_a_damaged_file_is_measured_over(cache):
+    first, _ = _measured()
+    assert first.picks and not any(p.from_disk for p in first.picks)
+    second, _ = _measured()
+    assert all(p.from_disk for p in second.picks)
+    assert [p.kernel for p in second.picks] == [p.kernel for p in first.picks]
+    entries = json.loads(cache.read_text())
+    assert len(entries) == len(first.picks)
+    # one entry with a candidate missing, one negative time: both measured again, not trusted
+    keys = sorted(entries)
+    entries[keys[0]] = {"onednn": 1.0}
+    entries[keys[1]] = {name: -1.0 for name in entries[keys[1]]}
+    cache.write_text(json.dumps(entries))
+    third, _ = _measured()
+    assert sum(not p.from_disk for p in third.picks) == 2
+    cache.write_text("{ not json")
+    fourth, _ = _measured()
+    assert not any(p.from_disk for p in fourth.picks)
+    assert len(json.loads(cache.read_text())) == len(first.picks)
+
+
+def test_an_unwritable_cache_still_measures(tmp_path, monkeypatch):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    monkeypatch.setenv("PREFILL_ENGINE_CACHE", str(blocker / "below_a_file"))
+    choice, weights = _measured()
+    assert choice.picks
+    x = torch.randn(5, 32)
+    torch.testing.assert_close(choice.linear(x, weights[0]), x @ weights[0].t())
+
+
+def test_engine_reports_its_picks_and_tokens_do_not_change(tiny_model_dir, cache):
+    path = str(tiny_model_dir("llama"))
+    prompts = [[5, 9, 2, 7, 11, 3, 8, 1] * 3, [4, 4, 6]]
+    outs = {}
+    for choice in ("measure", "fixed"):
+        with LLM(path, kernel_choice=choice, max_num_batched_tokens=64) as llm:
+            [info] = llm.rank_info()
+            outs[choice] = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=6))]
+            if choice == "measure":
+                assert any(line.startswith("linear") for line in info.kernels)
+                assert any(line.startswith("attention") for line in info.kernels)
+            else:
+                assert info.kernels == [] and info.kernel_choice_s == 0.0
+    assert outs["measure"] == outs["fixed"]
+
+
+def test_a_bad_setting_names_the_fix():
+    with pytest.raises(ConfigError, match="kernel_choice='fastest'.*'measure'.*'fixed'"):
+        LLM("smollm2", kernel_choice="fastest")
