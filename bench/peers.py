@@ -1,0 +1,191 @@
+"""The engine beside the engines a user would pick instead: vLLM's CPU build and llama.cpp (and
+transformers), on this machine, one process per system and dtype, the same token ids, the same
+threads, greedy tokens compared. Tokens/s for prefill of 512 and 2048 tokens and for decode
+(bench/peer_run.py says how each is timed).
+
+    bash scripts/setup_peers.sh            # once, opt-in: vLLM and llama.cpp in venvs of their own
+    .venv/bin/python -m bench.peers --dtypes float32 bfloat16 --out peers.jsonl
+
+Weights: the engine and transformers read the shipped Q4_1 GGUF dequantized; vLLM reads an HF
+directory saved from it by transformers (the same values); llama.cpp reads F32 / BF16 GGUFs
+written from the same dequantized values, and the Q4_1 file as it is. A system whose venv is
+missing is skipped, and said so.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from bench.common import machine, print_table, random_ids
+from engine.loading.checkpoint import resolve_model
+
+PEERS_DIR = Path(os.environ.get("PEERS_DIR", Path.home() / ".cache" / "prefill-engine" / "peers"))
+RUNNER = Path(__file__).with_name("peer_run.py")
+
+
+def rows_to_run(systems: list[str], dtypes: list[str]) -> list[dict]:
+    """(label, system, dtype, weights form, settings) for every row of the table."""
+    rows = []
+    for dtype in dtypes:
+        if "engine" in systems:
+            rows.append(dict(label="engine, default", system="engine", dtype=dtype, form="gguf"))
+        if "engine-compile" in systems:
+            rows.append(dict(label="engine, compile=True", system="engine", dtype=dtype,
+                             form="gguf", settings={"compile": True}))
+        if "transformers" in systems:
+            rows.append(dict(label="transformers", system="transformers", dtype=dtype, form="gguf"))
+        if "vllm" in systems:
+            rows.append(dict(label="vLLM CPU", system="vllm", dtype=dtype, form="hf"))
+        if "llamacpp" in systems:
+            for fa in (True, False):
+                rows.append(dict(label=f"llama.cpp {dtype}, flash-attn {'on' if fa else 'off'}",
+                                 system="llamacpp", dtype=dtype, form=f"gguf-{dtype}",
+                                 settings={"flash_attn": fa}))
+    if "llamacpp" in systems:
+        rows.append(dict(label="llama.cpp, Q4_1 as shipped", system="llamacpp", dtype="q4_1",
+                         form="gguf-q4_1", settings={"flash_attn": False}))
+    return rows
+
+
+def interpreter(system: str) -> Path | None:
+    if system in ("engine", "transformers"):
+        return Path(sys.executable)
+    python = PEERS_DIR / system / "bin" / "python"
+    return python if python.exists() else None
+
+
+def peer_env(system: str, threads: int) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    if system == "vllm":
+        # as vLLM's CPU guide runs it: every core for its workers (its default keeps one back
+        # for the scheduler), tcmalloc and Intel's OpenMP preloaded where present
+        env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{threads - 1}"
+        env["VLLM_CPU_KVCACHE_SPACE"] = "2"
+        preload = [p for p in (Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"),
+                               *(PEERS_DIR / "vllm" / "lib").glob("libiomp5.so")) if p.exists()]
+        if preload:
+            env["LD_PRELOAD"] = ":".join(map(str, preload))
+    return env
+
+
+def weights(form: str, work: Path) -> str:
+    """The path each system reads, made once from the shipped GGUF."""
+    gguf_path = resolve_model("smollm2")
+    if form in ("gguf", "gguf-q4_1"):
+        return str(gguf_path)
+    target = work / form
+    if not target.exists():
+        if form == "hf":
+            save_hf_directory(gguf_path, target)
+        else:
+            write_dequantized_gguf(gguf_path, target, form.removeprefix("gguf-"))
+    return str(target)
+
+
+def save_hf_directory(gguf_path: Path, target: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from launcher.baseline import hf_model
+
+    hf_model(str(gguf_path)).save_pretrained(target)
+    AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name).save_pretrained(target)
+
+
+def write_dequantized_gguf(source: Path, target: Path, dtype: str) -> None:
+    """`source` with every tensor widened to float32 or bfloat16, metadata unchanged."""
+    import gguf
+    import numpy as np
+
+    reader = gguf.GGUFReader(str(source))
+    arch = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(str(target), arch)
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
+    kind = gguf.GGMLQuantizationType.F32 if dtype == "float32" else gguf.GGMLQuantizationType.BF16
+    for t in reader.tensors:
+        values = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+        if t.tensor_type == gguf.GGMLQuantizationType.F32 or kind == gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(t.name, values)
+        else:
+            writer.add_tensor(t.name, gguf.quants.quantize(values, kind), raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def run_row(row: dict, inputs: Path, work: Path, threads: int, repeats: int) -> dict | None:
+    python = interpreter(row["system"])
+    if python is None:
+        print(f"skipped {row['label']}: no venv at {PEERS_DIR / row['system']} "
+              f"(bash scripts/setup_peers.sh {row['system']})", flush=True)
+        return None
+    dtype = "float32" if row["dtype"] == "q4_1" else row["dtype"]
+    cmd = [str(python), str(RUNNER), "--system", row["system"], "--dtype", dtype,
+           "--model", weights(row["form"], work), "--threads", str(threads),
+           "--inputs", str(inputs), "--repeats", str(repeats),
+           "--settings", json.dumps(row.get("settings", {}))]
+    done = subprocess.run(cmd, env=peer_env(row["system"], threads), capture_output=True,
+                          text=True, cwd=RUNNER.parents[1])
+    line = next((l for l in done.stdout.splitlines() if l.startswith("RESULT ")), None)
+    if done.returncode != 0 or line is None:
+        print(f"FAILED {row['label']} (exit {done.returncode}):\n{done.stderr[-2000:]}", flush=True)
+        return None
+    return {**row, **json.loads(line.removeprefix("RESULT "))}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--systems", nargs="+", default=["engine", "transformers", "vllm", "llamacpp"],
+                    choices=["engine", "engine-compile", "transformers", "vllm", "llamacpp"])
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--out", default="peers.jsonl")
+    args = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="peers-"))
+    inputs = work / "inputs.json"
+    inputs.write_text(json.dumps({"prefill": {str(n): random_ids(n, 49152, seed=n)
+                                              for n in (512, 2048)},
+                                  "decode": random_ids(256, 49152, seed=1)}))
+    print(f"{machine()}; {args.threads} threads per system; best of {args.repeats}", flush=True)
+    results = []
+    with open(args.out, "w") as out:
+        for row in rows_to_run(args.systems, args.dtypes):
+            result = run_row(row, inputs, work, args.threads, args.repeats)
+            if result is not None:
+                results.append(result)
+                out.write(json.dumps(result) + "\n")
+                out.flush()
+    report(results)
+
+
+def report(results: list[dict]) -> None:
+    """The table, and whether each row's greedy tokens match the float32 engine's."""
+    reference = next((r for r in results if r["label"] == "engine, default"
+                      and r["dtype"] == "float32"), None)
+    rows = []
+    for r in results:
+        same = ("-" if reference is None else
+                "yes" if r["decode_tokens"] == reference["decode_tokens"] else
+                f"{sum(a == b for a, b in zip(r['decode_tokens'], reference['decode_tokens']))}/65")
+        rows.append([r["label"], r["dtype"], f"{r['prefill_tok_s']['512']:.0f}",
+                     f"{r['prefill_tok_s']['2048']:.0f}", f"{r['decode_tok_s']:.1f}",
+                     f"{r['start_s']:.0f}", same])
+    print_table("tokens/s (prefill: one call over the prompt; decode: 64 tokens after 256)",
+                ["system", "dtype", "prefill 512", "prefill 2048", "decode", "start s",
+                 "tokens = engine fp32"], rows)
+
+
+if __name__ == "__main__":
+    main()

