@@ -90,12 +90,14 @@ SYSTEMS = {"engine": engine, "transformers": transformers, "vllm": vllm, "llamac
 
 
 def best_seconds(fn: Callable[[], object], repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
+    """(engine.observe.hardware has the same, but a peer's venv cannot import the engine)"""
+    return min(_seconds(fn) for _ in range(repeats))
+
+
+def _seconds(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
 
 def measure(generate: Generate, inputs: dict, repeats: int) -> dict:
