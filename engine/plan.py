@@ -54,6 +54,7 @@ class EnginePlan:
     cp: int = 1  # context-parallel ranks; a replica is world_size (TP) x cp rank actors
     decode_dtype: torch.dtype | None = None  # weights decode steps read, if not the model's
     max_num_batched_tokens: int = 8192  # the most tokens one step holds (the scheduler's budget)
+    weights: str | None = None  # "int8" | "int4" | "gguf": quantized projections (quantized.py)
 
     @property
     def on_cuda(self) -> bool:
@@ -141,7 +142,7 @@ def make_plan(cfg: EngineConfig, source: str, mc: ModelConfig) -> EnginePlan:
                       even_ranges(mc.intermediate_size, cfg.tp), even_ranges(mc.vocab_size, cfg.tp),
                       overlap_comm=cfg.overlap_comm, cp=cfg.cp,
                       decode_dtype=DTYPES.get(cfg.decode_dtype),
-                      max_num_batched_tokens=cfg.max_num_batched_tokens)
+                      max_num_batched_tokens=cfg.max_num_batched_tokens, weights=cfg.weights)
 
 
 def _num_blocks(cfg: EngineConfig, mc: ModelConfig, heads: list[HeadPartition],
