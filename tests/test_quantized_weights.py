@@ -49,13 +49,15 @@ REFERENCE = {"int8": (quantized.int8_per_channel, ref_int8),
 def test_linear_matches_dequantize_then_matmul(kind):
     quantize, reference = REFERENCE[kind]
     torch.manual_seed(0)
-    w, x, bias = torch.randn(96, 128), torch.randn(5, 128), torch.randn(96)
-    want = x @ reference(w).T + bias
-    torch.testing.assert_close(gemm.linear(x, quantize(w), bias), want, atol=1e-4, rtol=1e-4)
-    # bf16 activations, scales and output: 8-bit mantissas, so within 1 % of the outputs' range
-    got = gemm.linear(x.bfloat16(), quantize(w.bfloat16()), None).float()
-    want = x.bfloat16().float() @ reference(w.bfloat16().float()).T
-    assert (got - want).abs().max() < 0.01 * want.abs().max()
+    w, bias = torch.randn(96, 128), torch.randn(96)
+    for rows in (1, quantized.KERNEL_ROWS + 1):  # the kernel's path, then the dequantized one
+        x = torch.randn(rows, 128)
+        want = x @ reference(w).T + bias
+        torch.testing.assert_close(gemm.linear(x, quantize(w), bias), want, atol=1e-4, rtol=1e-4)
+        # bf16 activations, scales and output: 8-bit mantissas, within 1 % of the outputs' range
+        got = gemm.linear(x.bfloat16(), quantize(w.bfloat16()), None).float()
+        want = x.bfloat16().float() @ reference(w.bfloat16().float()).T
+        assert (got - want).abs().max() < 0.01 * want.abs().max()
     # the quantizer is a real one: within half a step of the float weight
     step = (w.abs().amax(1, keepdim=True) / 127 if kind == "int8"
             else (w.reshape(96, 4, 32).amax(-1) - w.reshape(96, 4, 32).amin(-1))
@@ -79,9 +81,10 @@ def test_raw_q4_codes_reproduce_gguf_dequantize(kind):
     values = (blocks.codes.float() * blocks.scales.repeat_interleave(32, 1)
               + blocks.mins.repeat_interleave(32, 1))
     assert torch.equal(values, want)
-    x = torch.randn(4, 96)
-    torch.testing.assert_close(gemm.linear(x, quantized.from_q4_blocks(blocks, torch.float32)),
-                               x @ want.T, atol=1e-4, rtol=1e-4)
+    weight = quantized.from_q4_blocks(blocks, torch.float32)
+    for rows in (1, quantized.KERNEL_ROWS + 1):  # the kernel's path, then the dequantized one
+        x = torch.randn(rows, 96)
+        torch.testing.assert_close(gemm.linear(x, weight), x @ want.T, atol=1e-4, rtol=1e-4)
 
 
 def test_smollm2_blocks_read_raw_equal_its_dequantized_slices(smollm2_path):

@@ -26,22 +26,41 @@ from engine.loading.gguf_blocks import BLOCK, Q4Blocks
 from parallel.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
 
 INT4_ROWS = 16  # the int4 packing takes output widths in multiples of this
+# Products of more rows than this dequantize the weight and run the float matmul: torch's
+# weight-only kernels have no blocked path for float32 activations, and a 256-row float32
+# product ran ~70x (int8) and ~200x (int4) slower than the float matmul (2 threads, Xeon with
+# AMX, under load); at a few rows they read fewer bytes and win. See BENCHMARKS.md.
+KERNEL_ROWS = 4
 
 
 @dataclass(slots=True)
 class QuantizedWeight:
     """Stands where a projection's float weight [N, K] was (engine.rank.gemm routes it here).
-    int8: codes [N, K] int8, scales [N]. int4: codes packed [N, K/2] uint8,
-    scales [K/32, N, 2] (scale, zero) per group."""
+    int8: codes [N, K] int8, scales [N]. int4: codes packed [N, K/2] uint8 in the kernel's
+    layout, scales [K/32, N, 2] (scale, zero) per group; to dequantize from, `nibbles`
+    [N, K/2] uint8, the same codes in a plain layout (column j in the low nibble, j + K/2 in
+    the high one), and `steps` [2, N, K/32, 1]: each group's d and m (w = d q + m)."""
 
     kind: str
     codes: torch.Tensor
     scales: torch.Tensor
     shape: tuple[int, int]
+    nibbles: torch.Tensor | None = None
+    steps: torch.Tensor | None = None
 
     @property
     def nbytes(self) -> int:
-        return self.codes.nbytes + self.scales.nbytes
+        return sum(t.nbytes for t in (self.codes, self.scales, self.nibbles, self.steps)
+                   if t is not None)
+
+    def dequantized(self) -> torch.Tensor:
+        """The float weight [N, K] the codes stand for, in the scales' dtype."""
+        if self.kind == "int8":
+            return self.codes.to(self.scales.dtype) * self.scales[:, None]
+        n, k = self.shape
+        codes = torch.cat([self.nibbles & 15, self.nibbles >> 4], dim=1)
+        groups = codes.view(n, k // BLOCK, BLOCK).to(self.scales.dtype)
+        return torch.addcmul(self.steps[1], groups, self.steps[0]).view(n, k)
 
     def __getitem__(self, rows: slice) -> "QuantizedWeight":
         """Output rows a:b (the scorer tiles the LM head this way): int8 only, whose rows are
@@ -86,7 +105,9 @@ def from_q4_blocks(blocks: Q4Blocks, dtype: torch.dtype) -> QuantizedWeight:
     packed = torch._convert_weight_to_int4pack_for_cpu(blocks.codes.to(torch.int32), 2)
     zeros = blocks.mins + 8 * blocks.scales
     scales = torch.stack([blocks.scales, zeros], dim=-1).transpose(0, 1).contiguous()
-    return QuantizedWeight("int4", packed, scales.to(dtype), (n, k))
+    low, high = blocks.codes.to(torch.uint8).split(k // 2, dim=1)
+    steps = torch.stack([blocks.scales, blocks.mins])[..., None].to(dtype)
+    return QuantizedWeight("int4", packed, scales.to(dtype), (n, k), low | (high << 4), steps)
 
 
 def check_int4_shape(name: str, shape: tuple[int, int], kind: str) -> None:
