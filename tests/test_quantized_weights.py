@@ -137,6 +137,14 @@ def test_tiny_model_matches_its_dequantized_float_twin(tiny_model_dir, tmp_path,
         assert llm.generate([PROMPT], greedy)[0].token_ids == want_tokens[0].token_ids
         got_score = llm.score([PROMPT])[0].logprobs  # the LM head tiled by rows
         quantized_bytes = llm.rank_info()[0].weight_bytes
+        with llm.tracing() as ops:
+            llm.generate([PROMPT[:3]], SamplingParams(max_tokens=2, ignore_eos=True))
+    # the tracer's bytes for a decode step's q/k/v product: x, codes, scales, out (a hand count
+    # for [1, 64] x [64, 128]: int8 1 byte a weight + a float32 scale per row; int4 half a byte
+    # + a float32 scale and zero per 32)
+    codes = {"int8": 128 * 64 + 128 * 4, "int4": 128 * 32 + 2 * 128 * 2 * 4}[kind]
+    qkv = [op for op in ops if op["name"].endswith("qkv_proj") and op["shapes"].startswith("[1,")]
+    assert qkv and qkv[0]["bytes"] == 64 * 4 + codes + 128 * 4
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(torch.tensor(got_score), torch.tensor(want_score),
                                atol=1e-4, rtol=1e-4)

@@ -50,8 +50,14 @@ class QuantizedWeight:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in (self.codes, self.scales, self.nibbles, self.steps)
-                   if t is not None)
+        """What a product through the kernel reads (the tracer's bytes): codes and scales."""
+        return self.codes.nbytes + self.scales.nbytes
+
+    @property
+    def stored_bytes(self) -> int:
+        """The memory it takes, the plain copy of int4 codes included."""
+        extra = [t.nbytes for t in (self.nibbles, self.steps) if t is not None]
+        return self.nbytes + sum(extra)
 
     def dequantized(self) -> torch.Tensor:
         """The float weight [N, K] the codes stand for, in the scales' dtype."""
@@ -132,7 +138,7 @@ def quantize_model(model: nn.Module, kind: str, ckpt=None) -> int:
             continue
         del module.weight  # the float Parameter goes (a tied LM head's stays the embedding's)
         module.weight = quantized
-        nbytes += quantized.nbytes
+        nbytes += quantized.stored_bytes
     return nbytes
 
 
