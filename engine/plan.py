@@ -118,6 +118,7 @@ def _free_gpu_bytes(device: str) -> int:
 def make_plan(cfg: EngineConfig, source: str, mc: ModelConfig) -> EnginePlan:
     """Resolve the settings against the model once; a setting that cannot work fails here."""
     from engine.rank.backend import TORCH, select_backend
+    from engine.rank.quantized import check_int4_shapes
 
     try:
         heads = partition_heads(mc.num_heads, mc.num_kv_heads, cfg.tp)
@@ -134,7 +135,7 @@ def make_plan(cfg: EngineConfig, source: str, mc: ModelConfig) -> EnginePlan:
             f"parallelism prefills whole prompts only (no chunked prefill), so a step must hold "
             f"the longest prompt; raise it to max_model_len={max_model_len} or lower max_model_len")
     num_blocks = _num_blocks(cfg, mc, heads, max_model_len)
-    return EnginePlan(source, mc, cfg.tp, cfg.device, cfg.torch_dtype, backend, max_model_len,
+    plan = EnginePlan(source, mc, cfg.tp, cfg.device, cfg.torch_dtype, backend, max_model_len,
                       cfg.block_size, num_blocks, cfg.num_threads,
                       # cp > 1 runs eagerly (compile=True is refused with it)
                       cfg.device != "cpu" and cfg.cp == 1 if cfg.compile is None else cfg.compile,
@@ -143,6 +144,9 @@ def make_plan(cfg: EngineConfig, source: str, mc: ModelConfig) -> EnginePlan:
                       overlap_comm=cfg.overlap_comm, cp=cfg.cp,
                       decode_dtype=DTYPES.get(cfg.decode_dtype),
                       max_num_batched_tokens=cfg.max_num_batched_tokens, weights=cfg.weights)
+    if cfg.weights in ("int4", "gguf"):
+        check_int4_shapes(plan)
+    return plan
 
 
 def _num_blocks(cfg: EngineConfig, mc: ModelConfig, heads: list[HeadPartition],

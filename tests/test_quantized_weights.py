@@ -190,9 +190,12 @@ def test_bad_settings_are_refused(tiny_model_dir, settings, named):
 
 
 def test_int4_shapes_the_kernel_cannot_take_are_refused(tiny_model_dir):
-    """The uneven model's hidden size 72 is no multiple of 32: int4 says so, int8 runs."""
+    """The uneven model's hidden size 72 is no multiple of 32: int4 says so, int8 runs; at
+    tp=2 the llama model's FFN half (48) is refused by the driver, before any rank starts."""
     path = str(tiny_model_dir("uneven"))
     with pytest.raises(ConfigError, match="use weights='int8'"):
         LLM(path, weights="int4")
+    with pytest.raises(ConfigError, match=r"rank 0's down_proj is \[64, 48\]"):
+        LLM(str(tiny_model_dir("llama")), weights="int4", tp=2)
     with LLM(path, weights="int8") as llm:
         assert llm.prefill([PROMPT])[0].logits.isfinite().all()

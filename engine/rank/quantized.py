@@ -116,12 +116,22 @@ def from_q4_blocks(blocks: Q4Blocks, dtype: torch.dtype) -> QuantizedWeight:
     return QuantizedWeight("int4", packed, scales.to(dtype), (n, k), low | (high << 4), steps)
 
 
-def check_int4_shape(name: str, shape: tuple[int, int], kind: str) -> None:
-    n, k = shape
-    if k % BLOCK or n % INT4_ROWS:
-        raise ConfigError(f"weights={kind!r}: {name} is [{n}, {k}] on this rank; the int4 kernel "
-                          f"needs inputs in multiples of {BLOCK} and outputs in multiples of "
-                          f"{INT4_ROWS}; use weights='int8' or another tp")
+def check_int4_shapes(plan) -> None:
+    """weights 'int4'/'gguf': every rank's projections [N, K] must suit the int4 kernel; the
+    driver checks them from the plan (an EnginePlan) before any rank starts."""
+    mc, d = plan.model, plan.model.hidden_size
+    for rank in range(plan.world_size):
+        shard = plan.shard(rank)
+        q, kv = shard.heads.num_q_heads * mc.head_dim, shard.heads.num_kv_heads * mc.head_dim
+        ffn = shard.ffn[1] - shard.ffn[0]
+        shapes = {"qkv_proj": (q + 2 * kv, d), "o_proj": (d, q), "gate_up_proj": (2 * ffn, d),
+                  "down_proj": (d, ffn)}
+        for name, (n, k) in shapes.items():
+            if k % BLOCK or n % INT4_ROWS:
+                raise ConfigError(
+                    f"weights={plan.weights!r}: rank {rank}'s {name} is [{n}, {k}]; the int4 "
+                    f"kernel needs inputs in multiples of {BLOCK} and outputs in multiples of "
+                    f"{INT4_ROWS}; use weights='int8' or another tp")
 
 
 def quantize_model(model: nn.Module, kind: str, ckpt=None) -> int:
@@ -129,11 +139,11 @@ def quantize_model(model: nn.Module, kind: str, ckpt=None) -> int:
     take. kind 'gguf' reads the codes from `ckpt` (a GGUFCheckpoint) at the slices each
     layer's weight was loaded from (`weight_reads`)."""
     nbytes = 0
-    for name, module in model.named_modules():
+    for module in model.modules():
         if isinstance(module, ParallelLMHead):
             quantized = int8_per_channel(module.weight)
         elif isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
-            quantized = _projection(name, module, kind, ckpt)
+            quantized = _projection(module, kind, ckpt)
         else:
             continue
         del module.weight  # the float Parameter goes (a tied LM head's stays the embedding's)
@@ -142,10 +152,9 @@ def quantize_model(model: nn.Module, kind: str, ckpt=None) -> int:
     return nbytes
 
 
-def _projection(name: str, module: nn.Module, kind: str, ckpt) -> QuantizedWeight:
+def _projection(module: nn.Module, kind: str, ckpt) -> QuantizedWeight:
     if kind == "int8":
         return int8_per_channel(module.weight)
-    check_int4_shape(name, tuple(module.weight.shape), kind)
     if kind == "int4":
         return int4_groups(module.weight)
     blocks = gguf_blocks.concat_rows([ckpt.read_q4(*read) for read in module.weight_reads])
