@@ -39,10 +39,12 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     args = ap.parse_args()
     prefill, decode, nbytes, tokens = {}, {}, {}, {}
-    for _ in range(args.rounds):  # alternate settings, so a slow spell hits each alike
+    for r in range(args.rounds):  # alternate settings, so a slow spell hits each alike
         for w in SETTINGS:
             p, d, nbytes[w], tokens[w] = one_round(w, args.dtype, args.prompt_len, args.tokens)
             prefill[w], decode[w] = max(prefill.get(w, 0), p), max(decode.get(w, 0), d)
+            print(f"round {r + 1} weights={w}: prefill {p:.0f} tok/s, decode {d:.1f} tok/s",
+                  flush=True)
     rows = [[str(w), f"{prefill[w]:.0f}", f"{decode[w]:.1f}", f"{nbytes[w] / 1e6:.0f}",
              _agreement(tokens[w], tokens[None])] for w in SETTINGS]
     print_table(f"{machine()}; SmolLM2 {args.dtype}, {args.prompt_len}-token prompt, "
