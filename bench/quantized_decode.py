@@ -4,12 +4,14 @@ one engine per setting in turn (one engine alive at a time: two step loops in on
 each other), times a prefill of the prompt and a greedy decode after it, and closes it; the
 best round of each setting is kept. Tokens are compared with the float run's.
 
-    .venv/bin/python -m bench.quantized_decode --rounds 3 --dtype float32
+    .venv/bin/python -m bench.quantized_decode --rounds 3 --dtype float32 [--threads 1]
 """
 from __future__ import annotations
 
 import argparse
 import time
+
+import torch
 
 from bench.common import machine, print_table, random_ids
 from engine import LLM, SamplingParams
@@ -17,10 +19,11 @@ from engine import LLM, SamplingParams
 SETTINGS = (None, "int8", "int4", "gguf")
 
 
-def one_round(weights: str | None, dtype: str, prompt_len: int,
-              tokens: int) -> tuple[float, float, int, list[int]]:
+def one_round(weights: str | None, dtype: str, prompt_len: int, tokens: int,
+              threads: int | None) -> tuple[float, float, int, list[int]]:
     """(prefill tok/s, decode tok/s, weight bytes, greedy tokens) of one fresh engine."""
-    with LLM("smollm2", dtype=dtype, weights=weights, enable_prefix_caching=False) as llm:
+    with LLM("smollm2", dtype=dtype, weights=weights, enable_prefix_caching=False,
+             num_threads=threads) as llm:
         ids = random_ids(prompt_len, llm.model_config.vocab_size, seed=1)
         llm.generate([ids[:16]], SamplingParams(max_tokens=2))  # first-call costs off the clock
         [p] = llm.prefill([ids])
@@ -37,11 +40,17 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    # 1 on a loaded machine: an OpenMP team of 2 whose threads wait for cores loses far more
+    # per decode step (thousands of parallel regions) than one thread does
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)  # what machine() reports
     prefill, decode, nbytes, tokens = {}, {}, {}, {}
     for r in range(args.rounds):  # alternate settings, so a slow spell hits each alike
         for w in SETTINGS:
-            p, d, nbytes[w], tokens[w] = one_round(w, args.dtype, args.prompt_len, args.tokens)
+            p, d, nbytes[w], tokens[w] = one_round(w, args.dtype, args.prompt_len, args.tokens,
+                                                    args.threads)
             prefill[w], decode[w] = max(prefill.get(w, 0), p), max(decode.get(w, 0), d)
             print(f"round {r + 1} weights={w}: prefill {p:.0f} tok/s, decode {d:.1f} tok/s",
                   flush=True)
