@@ -171,7 +171,8 @@ def test_smollm2_gguf_blocks_as_stored(smollm2_path, smollm2_llm):
     with LLM(smollm2_path, weights="gguf") as llm:
         got = llm.prefill([ids])[0].logits
         assert llm.generate([ids], greedy)[0].token_ids == want_tokens
-        assert llm.rank_info()[0].weight_bytes < 0.45 * smollm2_llm.rank_info()[0].weight_bytes
+        # 301 of 538 MB: the float32 embedding (113 MB) stays, codes cost 1 byte a weight + scales
+        assert llm.rank_info()[0].weight_bytes < 0.6 * smollm2_llm.rank_info()[0].weight_bytes
     assert (got - want).abs().max() < 0.05 * want.abs().max()
     assert not torch.equal(got, want)  # the quantized path did run
 
