@@ -56,6 +56,10 @@ class EngineConfig:
     # "measure": a CPU rank times its candidate kernels at start-up and runs the fastest per
     # shape (engine.rank.kernel_choice; kept on disk); "fixed": the built-in choice, untimed
     kernel_choice: str = "measure"
+    # "int8" | "int4" | "gguf": the projections as integer codes and scales, run by weight-only
+    # int8/int4 kernels (engine/rank/quantized.py; "gguf": the file's Q4_0/Q4_1 blocks as
+    # stored); None: the checkpoint's values in `dtype`
+    weights: str | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
@@ -115,6 +119,8 @@ class EngineConfig:
             _check_decode_dtype(self)
         if self.cp > 1:
             _check_context_parallel(self)
+        if self.weights is not None:
+            _check_weights(self)
 
 
 def _check_decode_dtype(cfg: EngineConfig) -> None:
@@ -126,6 +132,27 @@ def _check_decode_dtype(cfg: EngineConfig) -> None:
     _require(torch.backends.mkldnn.is_available(),
              "decode_dtype='bfloat16' needs torch's oneDNN (mkldnn), which this torch build "
              "lacks; unset decode_dtype")
+
+
+WEIGHTS = ("int8", "int4", "gguf")
+
+
+def _check_weights(cfg: EngineConfig) -> None:
+    name = f"weights={cfg.weights!r}"
+    _require(isinstance(cfg.weights, str) and cfg.weights in WEIGHTS,
+             f"{name}: use None (float weights), 'int8' (per channel), 'int4' (groups of 32) "
+             f"or 'gguf' (a GGUF's Q4_0/Q4_1 projections as stored)")
+    _require(cfg.device == "cpu",
+             f"{name} with device={cfg.device!r}: quantized weights run on a CPU only so far; "
+             f"use device='cpu' or weights=None")
+    _require(cfg.torch_dtype in (torch.float32, torch.bfloat16),
+             f"{name} with dtype={cfg.dtype!r}: the weight-only kernels take float32 or "
+             f"bfloat16 activations; use dtype='float32' or 'bfloat16'")
+    _require(cfg.decode_dtype is None,
+             f"{name} with decode_dtype={cfg.decode_dtype!r}: decode already reads the "
+             f"quantized weights; unset decode_dtype")
+    _require(cfg.compile is not True,
+             f"{name} with compile=True: quantized weights run eagerly; set compile=False")
 
 
 def _check_context_parallel(cfg: EngineConfig) -> None:

@@ -24,6 +24,7 @@ from engine.driver.sampling_params import SamplingParams, check_params
 from engine.driver.sequence import Sequence
 from engine.errors import InvalidRequestError, KVPinnedError
 from engine.loading.checkpoint import open_checkpoint
+from engine.loading.gguf_blocks import require_q4_projections
 from engine.loading import weight_digest
 from engine.loading.tokenizer import load_tokenizer
 from engine.plan import RankInfo, make_plan
@@ -41,6 +42,8 @@ class LLM:
     def __init__(self, model: str = "smollm2", **settings):
         self.config = cfg = EngineConfig.from_kwargs(model=model, **settings)
         ckpt = open_checkpoint(model)
+        if cfg.weights == "gguf":
+            require_q4_projections(ckpt)
         self.model_config = mc = ckpt.config
         self.tokenizer = load_tokenizer(ckpt)
         self.plan = plan = make_plan(cfg, model, mc)
@@ -55,8 +58,9 @@ class LLM:
         self._finalizer = weakref.finalize(self, self._core.shutdown)
         # disaggregated prefill: what a KVHandle must match here, and the handles given out
         digests = self._core.call(lambda: self._core.replicas[0].run_on_ranks(Worker.weight_digest))
-        self._fingerprint = model_fingerprint(mc, weight_digest.combine(digests), plan.dtype,
-                                              plan.block_size)
+        # quantized weights compute other K/V from the same checkpoint: part of the fingerprint
+        weights = weight_digest.combine(digests) + (f"+{cfg.weights}" if cfg.weights else "")
+        self._fingerprint = model_fingerprint(mc, weights, plan.dtype, plan.block_size)
         self._exports = ExportTable(self._core, cfg.kv_handle_ttl_s, cfg.ray_address)
         self._exports_finalizer = weakref.finalize(self, self._exports.close)
         log.info("KV cache: %d blocks of %d tokens per rank, %d replica(s) of tp=%d",

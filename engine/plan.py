@@ -55,6 +55,7 @@ class EnginePlan:
     decode_dtype: torch.dtype | None = None  # weights decode steps read, if not the model's
     max_num_batched_tokens: int = 8192  # the most tokens one step holds (the scheduler's budget)
     measure_kernels: bool = False  # a CPU rank times its kernels at start-up (kernel_choice)
+    weights: str | None = None  # "int8" | "int4" | "gguf": quantized projections (quantized.py)
 
     @property
     def on_cuda(self) -> bool:
@@ -120,6 +121,7 @@ def _free_gpu_bytes(device: str) -> int:
 def make_plan(cfg: EngineConfig, source: str, mc: ModelConfig) -> EnginePlan:
     """Resolve the settings against the model once; a setting that cannot work fails here."""
     from engine.rank.backend import TORCH, select_backend
+    from engine.rank.quantized import check_int4_shapes
 
     try:
         heads = partition_heads(mc.num_heads, mc.num_kv_heads, cfg.tp)
@@ -136,7 +138,7 @@ def make_plan(cfg: EngineConfig, source: str, mc: ModelConfig) -> EnginePlan:
             f"parallelism prefills whole prompts only (no chunked prefill), so a step must hold "
             f"the longest prompt; raise it to max_model_len={max_model_len} or lower max_model_len")
     num_blocks = _num_blocks(cfg, mc, heads, max_model_len)
-    return EnginePlan(source, mc, cfg.tp, cfg.device, cfg.torch_dtype, backend, max_model_len,
+    plan = EnginePlan(source, mc, cfg.tp, cfg.device, cfg.torch_dtype, backend, max_model_len,
                       cfg.block_size, num_blocks, cfg.num_threads,
                       # cp > 1 runs eagerly (compile=True is refused with it)
                       cfg.device != "cpu" and cfg.cp == 1 if cfg.compile is None else cfg.compile,
@@ -144,8 +146,11 @@ def make_plan(cfg: EngineConfig, source: str, mc: ModelConfig) -> EnginePlan:
                       even_ranges(mc.intermediate_size, cfg.tp), even_ranges(mc.vocab_size, cfg.tp),
                       overlap_comm=cfg.overlap_comm, cp=cfg.cp,
                       decode_dtype=DTYPES.get(cfg.decode_dtype),
-                      max_num_batched_tokens=cfg.max_num_batched_tokens,
+                      max_num_batched_tokens=cfg.max_num_batched_tokens, weights=cfg.weights,
                       measure_kernels=cfg.kernel_choice == "measure" and cfg.device == "cpu")
+    if cfg.weights in ("int4", "gguf"):
+        check_int4_shapes(plan)
+    return plan
 
 
 def _num_blocks(cfg: EngineConfig, mc: ModelConfig, heads: list[HeadPartition],

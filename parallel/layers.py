@@ -78,8 +78,11 @@ class ColumnParallelLinear(nn.Module):
         self.bias = _frozen(out) if bias else None
 
     def load(self, read: TensorReader, names: Sequence[str]) -> None:
-        rows = [read(f"{n}.weight", 0, a, b) for n, (a, b) in zip(names, self.out_slices)]
-        copy_checked(self.weight, torch.cat(rows), f"{names[0]}.weight")
+        # kept: the reads the weight is made of (rows concatenated), so the engine can read
+        # the same slices again in another form (its quantized weights)
+        self.weight_reads = [(f"{n}.weight", 0, a, b) for n, (a, b) in zip(names, self.out_slices)]
+        copy_checked(self.weight, torch.cat([read(*r) for r in self.weight_reads]),
+                     f"{names[0]}.weight")
         if self.bias is not None:
             parts = [read(f"{n}.bias", 0, a, b) for n, (a, b) in zip(names, self.out_slices)]
             copy_checked(self.bias, torch.cat(parts), f"{names[0]}.bias")
@@ -115,7 +118,8 @@ class RowParallelLinear(nn.Module):
         self.all_reduce = AllReduce(tp)
 
     def load(self, read: TensorReader, name: str) -> None:
-        copy_checked(self.weight, read(f"{name}.weight", 1, *self.in_slice), f"{name}.weight")
+        self.weight_reads = [(f"{name}.weight", 1, *self.in_slice)]  # as ColumnParallelLinear's
+        copy_checked(self.weight, read(*self.weight_reads[0]), f"{name}.weight")
         if self.bias is not None:
             copy_checked(self.bias, read(f"{name}.bias", None, 0, 0), f"{name}.bias")
 

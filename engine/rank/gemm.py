@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine.rank.quantized import KERNEL_ROWS, QuantizedWeight
+
 _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 # read once: torch.compile cannot trace the query, and a graph would break at every projection
 HAVE_ONEDNN = torch.backends.mkldnn.is_available()
@@ -73,7 +75,12 @@ def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch
     return x.new_empty(x.shape[0], weight.shape[0])
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    if isinstance(weight, QuantizedWeight):  # weights="int8" | "int4" | "gguf"
+        if x.numel() // x.shape[-1] <= KERNEL_ROWS:
+            return weight.matmul(x, bias)
+        return linear(x, weight.dequantized(), bias)  # a prompt's rows: quantized.KERNEL_ROWS
     if weight.is_mkldnn or (weight.dtype == torch.bfloat16 and x.dtype == torch.float32
                             and weight.device.type == "cpu" and HAVE_ONEDNN):
         return _low_precision(x, weight, bias)

@@ -65,9 +65,11 @@ ATTENTION_KERNELS: dict[str, Callable] = {"sdpa": _sdpa_prompt, "blocked": block
 
 
 def projection_weights(model: nn.Module) -> list[torch.Tensor]:
-    """The weight of every projection the model runs through its backend's `linear`."""
+    """The float weight of every projection the model runs through its backend's `linear`
+    (quantized ones, weights="int8"|..., have kernels of their own: engine.rank.quantized)."""
     return [m.weight for m in model.modules()
-            if isinstance(m, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead))]
+            if isinstance(m, (ColumnParallelLinear, RowParallelLinear, ParallelLMHead))
+            and isinstance(m.weight, torch.Tensor)]
 
 
 def row_bucket(rows: int) -> int:
@@ -134,8 +136,9 @@ class KernelChoice:
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
-        if (x.dim() == 2 and x.dtype == weight.dtype and not torch.compiler.is_compiling()
-                and not weight.is_mkldnn and weight.is_contiguous()):
+        if (isinstance(weight, torch.Tensor) and x.dim() == 2 and x.dtype == weight.dtype
+                and not torch.compiler.is_compiling() and not weight.is_mkldnn
+                and weight.is_contiguous()):
             bucket = min(row_bucket(x.shape[0]), self._top_bucket)
             kernel = self._linear.get((weight.shape[0], weight.shape[1], bucket))
             if kernel is not None:

@@ -27,6 +27,7 @@ from engine.rank.kv_cache import KVCache
 from engine.rank.model import CausalLM
 from engine.rank.overlap import with_halves
 from engine.rank.prompt_logprobs import score_batch
+from engine.rank.quantized import quantize_model
 from engine.rank.sampler import Sampler, sample_into
 from engine.rank.step_context import DECODE, StepContext, step_mode
 from engine.rank.step_metadata import build_step_metadata
@@ -63,8 +64,11 @@ class Worker:
             self.backend = self.kernels.applied_to(self.backend)
         self.model = CausalLM(plan.model, shard, plan.max_model_len, self.backend, self.tp)
         started = time.perf_counter()
-        self.digest = load_weights(self.model, checkpoint or open_checkpoint(plan.source),
-                                   self.device, plan.dtype)
+        checkpoint = checkpoint or open_checkpoint(plan.source)
+        self.digest = load_weights(self.model, checkpoint, self.device, plan.dtype)
+        # weights=...: the projections' float weights are replaced (counted in info() apart)
+        self.quantized_bytes = (quantize_model(self.model, plan.weights, checkpoint)
+                                if plan.weights is not None else 0)
         self.load_s = time.perf_counter() - started
         self.kernel_choice_s = self._measure_kernels() if plan.measure_kernels else 0.0
         self.decode_model, self.decode_bytes = (
@@ -178,7 +182,7 @@ class Worker:
         heads = self.shard.heads
         return RankInfo(self.rank, heads.q_heads, heads.kv_heads, self.shard.ffn, self.shard.vocab,
                         sum(p.numel() * p.element_size() for p in self.model.parameters())
-                        + self.decode_bytes,
+                        + self.decode_bytes + self.quantized_bytes,
                         self.plan.kv_bytes_per_token(heads.num_kv_heads), self.cache.num_blocks,
                         self.cache.nbytes, os.getpid(),
                         self.compiled is not None and self.compiled.usable, self.warmup_s,
