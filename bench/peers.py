@@ -36,6 +36,15 @@ def rows_to_run(systems: list[str], dtypes: list[str]) -> list[dict]:
     for dtype in dtypes:
         if "engine" in systems:
             rows.append(dict(label="engine, default", system="engine", dtype=dtype, form="gguf"))
+        if "engine-fixed" in systems:  # the built-in kernels, untimed: what measuring gains
+            rows.append(dict(label="engine, kernel_choice=fixed", system="engine", dtype=dtype,
+                             form="gguf", settings={"kernel_choice": "fixed"}))
+        if "engine-int8" in systems:
+            rows.append(dict(label="engine, weights=int8", system="engine", dtype=dtype,
+                             form="gguf", settings={"weights": "int8"}))
+        if "engine-gguf" in systems:
+            rows.append(dict(label="engine, weights=gguf (Q4_1 as stored)", system="engine",
+                             dtype=dtype, form="gguf", settings={"weights": "gguf"}))
         if "engine-compile" in systems:
             rows.append(dict(label="engine, compile=True", system="engine", dtype=dtype,
                              form="gguf", settings={"compile": True}))
@@ -147,7 +156,8 @@ def run_row(row: dict, inputs: Path, work: Path, threads: int, repeats: int) -> 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--systems", nargs="+", default=["engine", "transformers", "vllm", "llamacpp"],
-                    choices=["engine", "engine-compile", "transformers", "vllm", "llamacpp"])
+                    choices=["engine", "engine-fixed", "engine-int8", "engine-gguf",
+                             "engine-compile", "transformers", "vllm", "llamacpp"])
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--repeats", type=int, default=5)
