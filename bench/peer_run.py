@@ -4,8 +4,8 @@ this file imports only what that system needs). Prints one JSON line.
     <python> bench/peer_run.py --system vllm --model DIR --dtype float32 --inputs inputs.json
 
 Protocol, the same for every system: prefill = one call over the whole prompt that returns the
-first token, best of `repeats`; decode = 64 greedy tokens after a 256-token prompt, timed as the
-best call of 65 tokens less the best call of 1 token (the time after the first token). Greedy,
+first token, best of `repeats`; decode = n greedy tokens (64) after a prompt (256 tokens), timed as
+the best call of n + 1 tokens less the best call of 1 token (the time after the first token). Greedy,
 end-of-sequence ignored, prefix caching off, so every call computes the whole prompt.
 """
 from __future__ import annotations
@@ -106,11 +106,11 @@ def measure(generate: Generate, inputs: dict, repeats: int) -> dict:
         result["first_tokens"][name] = generate(ids, 1)  # also the warm-up of this length
         seconds = best_seconds(lambda: generate(ids, 1), repeats)
         result["prefill_tok_s"][name] = len(ids) / seconds
-    ids = inputs["decode"]
-    result["decode_tokens"] = generate(ids, 65)
+    ids, n = inputs["decode"], inputs["decode_tokens"]
+    result["decode_tokens"] = generate(ids, n + 1)
     first = best_seconds(lambda: generate(ids, 1), repeats)
-    whole = best_seconds(lambda: generate(ids, 65), max(2, repeats // 2))
-    result["decode_tok_s"] = 64 / max(whole - first, 1e-9)
+    whole = best_seconds(lambda: generate(ids, n + 1), max(2, repeats // 2))
+    result["decode_tok_s"] = n / max(whole - first, 1e-9)
     return result
 
 
@@ -120,7 +120,8 @@ def main() -> None:
     ap.add_argument("--model", required=True)
     ap.add_argument("--dtype", required=True)
     ap.add_argument("--threads", type=int, required=True)
-    ap.add_argument("--inputs", required=True, help="JSON: {prefill: {name: ids}, decode: ids}")
+    ap.add_argument("--inputs", required=True,
+                    help="JSON: {prefill: {name: ids}, decode: ids, decode_tokens: n}")
     ap.add_argument("--settings", default="{}", help="JSON: the system's own extra settings")
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()

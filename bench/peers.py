@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from bench.common import machine, print_table, random_ids
-from engine.loading.checkpoint import resolve_model
+from engine.loading.checkpoint import open_checkpoint, resolve_model
 
 PEERS_DIR = Path(os.environ.get("PEERS_DIR", Path.home() / ".cache" / "prefill-engine" / "peers"))
 RUNNER = Path(__file__).with_name("peer_run.py")
@@ -84,17 +84,21 @@ def peer_env(system: str, threads: int) -> dict:
     return env
 
 
-def weights(form: str, work: Path) -> str:
-    """The path each system reads, made once from the shipped GGUF."""
-    gguf_path = resolve_model("smollm2")
-    if form in ("gguf", "gguf-q4_1"):
-        return str(gguf_path)
+def weights(form: str, work: Path, model: str) -> str | None:
+    """The path each system reads, made once from `model` (None: not from this checkpoint)."""
+    source = resolve_model(model)
+    if form == "gguf" or (form == "hf" and source.is_dir()):
+        return str(source)  # the engine and transformers read either kind
+    if source.suffix != ".gguf":
+        return None  # llama.cpp's files are written from a GGUF
+    if form == "gguf-q4_1":
+        return str(source)
     target = work / form
     if not target.exists():
         if form == "hf":
-            save_hf_directory(gguf_path, target)
+            save_hf_directory(source, target)
         else:
-            write_dequantized_gguf(gguf_path, target, form.removeprefix("gguf-"))
+            write_dequantized_gguf(source, target, form.removeprefix("gguf-"))
     return str(target)
 
 
@@ -133,16 +137,20 @@ def write_dequantized_gguf(source: Path, target: Path, dtype: str) -> None:
     writer.close()
 
 
-def run_row(row: dict, inputs: Path, work: Path, threads: int, repeats: int) -> dict | None:
-    python = interpreter(row["system"])
+def run_row(row: dict, inputs: Path, work: Path, args: argparse.Namespace) -> dict | None:
+    python, threads = interpreter(row["system"]), args.threads
     if python is None:
         print(f"skipped {row['label']}: no venv at {PEERS_DIR / row['system']} "
               f"(bash scripts/setup_peers.sh {row['system']})", flush=True)
         return None
+    path = weights(row["form"], work, args.model)
+    if path is None:
+        print(f"skipped {row['label']}: its weights are written from a GGUF model", flush=True)
+        return None
     dtype = "float32" if row["dtype"] == "q4_1" else row["dtype"]
     cmd = [str(python), str(RUNNER), "--system", row["system"], "--dtype", dtype,
-           "--model", weights(row["form"], work), "--threads", str(threads),
-           "--inputs", str(inputs), "--repeats", str(repeats),
+           "--model", path, "--threads", str(threads),
+           "--inputs", str(inputs), "--repeats", str(args.repeats),
            "--settings", json.dumps(row.get("settings", {}))]
     done = subprocess.run(cmd, env=peer_env(row["system"], threads), capture_output=True,
                           text=True, cwd=RUNNER.parents[1])
@@ -162,25 +170,30 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default="peers.jsonl")
+    ap.add_argument("--model", default="smollm2", help="an alias, a .gguf or an HF directory")
+    ap.add_argument("--lengths", type=int, nargs="+", default=[512, 2048], help="prefill tokens")
+    ap.add_argument("--decode-prompt", type=int, default=256)
+    ap.add_argument("--decode-tokens", type=int, default=64)
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="peers-"))
-    inputs = work / "inputs.json"
-    inputs.write_text(json.dumps({"prefill": {str(n): random_ids(n, 49152, seed=n)
-                                              for n in (512, 2048)},
-                                  "decode": random_ids(256, 49152, seed=1)}))
+    inputs, vocab = work / "inputs.json", open_checkpoint(args.model).config.vocab_size
+    inputs.write_text(json.dumps({"prefill": {str(n): random_ids(n, vocab, seed=n)
+                                              for n in args.lengths},
+                                  "decode": random_ids(args.decode_prompt, vocab, seed=1),
+                                  "decode_tokens": args.decode_tokens}))
     print(f"{machine()}; {args.threads} threads per system; best of {args.repeats}", flush=True)
     results = []
     with open(args.out, "w") as out:
         for row in rows_to_run(args.systems, args.dtypes):
-            result = run_row(row, inputs, work, args.threads, args.repeats)
+            result = run_row(row, inputs, work, args)
             if result is not None:
                 results.append(result)
                 out.write(json.dumps(result) + "\n")
                 out.flush()
-    report(results)
+    report(results, args.lengths)
 
 
-def report(results: list[dict]) -> None:
+def report(results: list[dict], lengths: list[int]) -> None:
     """The table, and whether each row's greedy tokens match the float32 engine's."""
     reference = next((r for r in results if r["label"] == "engine, default"
                       and r["dtype"] == "float32"), None)
@@ -188,12 +201,13 @@ def report(results: list[dict]) -> None:
     for r in results:
         same = ("-" if reference is None else
                 "yes" if r["decode_tokens"] == reference["decode_tokens"] else
-                f"{sum(a == b for a, b in zip(r['decode_tokens'], reference['decode_tokens']))}/65")
-        rows.append([r["label"], r["dtype"], f"{r['prefill_tok_s']['512']:.0f}",
-                     f"{r['prefill_tok_s']['2048']:.0f}", f"{r['decode_tok_s']:.1f}",
-                     f"{r['start_s']:.0f}", same])
-    print_table("tokens/s (prefill: one call over the prompt; decode: 64 tokens after 256)",
-                ["system", "dtype", "prefill 512", "prefill 2048", "decode", "start s",
+                f"{sum(a == b for a, b in zip(r['decode_tokens'], reference['decode_tokens']))}"
+                f"/{len(reference['decode_tokens'])}")
+        rows.append([r["label"], r["dtype"],
+                     *(f"{r['prefill_tok_s'][str(n)]:.0f}" for n in lengths),
+                     f"{r['decode_tok_s']:.1f}", f"{r['start_s']:.0f}", same])
+    print_table("tokens/s (prefill: one call over the prompt; decode: after the first token)",
+                ["system", "dtype", *(f"prefill {n}" for n in lengths), "decode", "start s",
                  "tokens = engine fp32"], rows)
 
 

@@ -1,0 +1,32 @@
+"""bench.peers, the side-by-side with the engines a user would pick instead, run on the rows
+that need no peer venv (the engine and transformers) at tiny lengths, each in a process of its
+own: the engine's greedy tokens, as the bench reports them, equal transformers' (an independent
+reference), and a peer without its venv is skipped with the command that makes it."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from tests.subproc import ROOT
+
+
+def test_engine_and_transformers_rows_agree_and_a_missing_peer_is_named(tmp_path, tiny_model_dir):
+    out = tmp_path / "peers.jsonl"
+    cmd = [sys.executable, "-m", "bench.peers", "--model", str(tiny_model_dir("llama")),
+           "--systems", "engine", "transformers", "vllm", "llamacpp",
+           "--dtypes", "float32", "--repeats", "1", "--lengths", "16", "--decode-prompt", "12",
+           "--decode-tokens", "4", "--out", str(out)]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900,
+                          env=dict(os.environ, PEERS_DIR=str(tmp_path / "no_peers")))
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["label"] for r in rows] == ["engine, default", "transformers"]
+    engine, hf = rows
+    assert engine["first_tokens"] == hf["first_tokens"]
+    assert len(engine["decode_tokens"]) == 5 and engine["decode_tokens"] == hf["decode_tokens"]
+    assert all(r["prefill_tok_s"]["16"] > 0 and r["decode_tok_s"] > 0 for r in rows)
+    assert "skipped vLLM CPU: no venv" in done.stdout
+    assert "bash scripts/setup_peers.sh vllm" in done.stdout
+    assert done.stdout.count("skipped llama.cpp") == 3  # f32 with and without flash-attn, Q4_1
