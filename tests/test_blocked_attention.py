@@ -35,7 +35,8 @@ def test_matches_float64(q_len, kv_len, heads, kv_heads, dtype, tol):
 def test_engine_bf16_prefill_uses_it_and_matches_fp32(tiny_model_dir, monkeypatch):
     """A bf16 engine's prompt logits stay within bf16 error of the float32 engine's, whole and
     after a prefix hit (the chunk attends over cached keys); only the bf16 engine's prompt
-    steps go through the blocked attention (a spy on the in-process rank counts them)."""
+    steps go through the blocked attention (a spy on the in-process rank counts them) under the
+    built-in choice (kernel_choice="fixed"; tests/test_kernel_choice.py covers the timed one)."""
     from engine import LLM
     from engine.loading.synthetic import random_token_ids
     from engine.rank import attention
@@ -49,7 +50,7 @@ def test_engine_bf16_prefill_uses_it_and_matches_fp32(tiny_model_dir, monkeypatc
     prompts = [random_token_ids(70, 300, seed=1), random_token_ids(70, 300, seed=1) + [5, 6, 7]]
     logits, cached = {}, 0
     for dtype in ("float32", "bfloat16"):
-        with LLM(path, dtype=dtype) as llm:
+        with LLM(path, dtype=dtype, kernel_choice="fixed") as llm:
             outs = [llm.prefill([p])[0] for p in prompts]
         logits[dtype], cached = [o.logits for o in outs], outs[1].cached_tokens
     layers = len(calls) // 2
