@@ -103,11 +103,18 @@ def weights(form: str, work: Path, model: str) -> str | None:
 
 
 def save_hf_directory(gguf_path: Path, target: Path) -> None:
-    from transformers import AutoTokenizer
+    """transformers' model of the GGUF, saved as safetensors: a model loaded from a GGUF counts
+    as quantized and refuses to save, so its values go into a plain model of the same config."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from launcher.baseline import hf_model
 
-    hf_model(str(gguf_path)).save_pretrained(target)
+    loaded = hf_model(str(gguf_path))
+    plain = AutoModelForCausalLM.from_config(loaded.config)
+    plain.load_state_dict(loaded.state_dict())
+    if hasattr(plain.config, "quantization_config"):  # says "gguf": vLLM would refuse it
+        del plain.config.quantization_config
+    plain.save_pretrained(target)
     AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name).save_pretrained(target)
 
 

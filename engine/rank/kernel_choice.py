@@ -35,6 +35,10 @@ from engine.rank.backend import Backend
 from engine.rank.blocked_attention import blocked_causal_attention
 from parallel.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
 
+# buckets of at most this many rows are timed streaming STREAMED_BYTES of weight copies
+STREAMED_ROWS = 16
+STREAMED_BYTES = 64 * 2**20
+MAX_COPIES = 64  # a tiny weight stays in cache however many copies: no point in more
 LM_HEAD_ROWS = 64  # above this many logits rows (scoring a prompt) the LM head is untimed
 # the most rows timed: larger steps take the pick of the largest bucket timed (a projection's
 # kernel ranks alike from ~1k rows on, and timing 8k-token attention would take seconds)
@@ -196,8 +200,15 @@ class KernelChoice:
 
 def _time_linear(kernels: dict[str, Callable], weight: torch.Tensor,
                  rows: int) -> dict[str, float]:
+    """Seconds per product. A few rows' product is bound by reading the weight, which a step
+    reads from memory (every layer's weights differ): such buckets are timed over copies of the
+    weight that together outgrow the caches, not one weight the cache keeps hot."""
+    count = min(MAX_COPIES, max(1, STREAMED_BYTES // weight.nbytes))
+    copies = [weight.clone() for _ in range(count)] if rows <= STREAMED_ROWS else [weight]
     x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
-    return fastest({name: (lambda k=k: k(x, weight, None)) for name, k in kernels.items()})
+    seconds = fastest({name: (lambda k=k: [k(x, w, None) for w in copies])
+                       for name, k in kernels.items()})
+    return {name: s / len(copies) for name, s in seconds.items()}
 
 
 def _time_attention(heads: tuple[int, int, int], tokens: int,
@@ -231,6 +242,9 @@ def cache_dir() -> Path:
                 or Path.home() / ".cache" / "prefill-engine")
 
 
+TIMING_METHOD = "v2"  # part of each kept timing's key: a change of method measures again
+
+
 class TimingStore:
     """Timings kept on disk, one JSON file; an entry that does not read back as the same
     candidates' times is measured again, never trusted."""
@@ -250,7 +264,7 @@ class TimingStore:
     def get_or_time(self, pick: Pick, dtype: torch.dtype, candidates: dict[str, Callable],
                     measure: Callable[[], dict[str, float]]) -> Pick:
         """`pick` with the kept timings of exactly these candidates, or with new ones."""
-        key = f"{machine_key()}|{pick.op}|{dtype}|{pick.shape}|{pick.rows}"
+        key = f"{TIMING_METHOD}|{machine_key()}|{pick.op}|{dtype}|{pick.shape}|{pick.rows}"
         kept = self.entries.get(key)
         if (isinstance(kept, dict) and set(kept) == set(candidates)
                 and all(isinstance(s, (int, float)) and s > 0 for s in kept.values())):
