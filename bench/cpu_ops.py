@@ -12,7 +12,6 @@ fastest of each is kept.
 from __future__ import annotations
 
 import argparse
-import time
 from typing import Callable
 
 import torch
@@ -20,6 +19,7 @@ import torch.nn.functional as F
 
 from bench.common import machine
 from engine.rank.blocked_attention import blocked_causal_attention
+from engine.rank import kernel_choice
 from engine.rank.gemm import linear, onednn_linear
 
 PROJECTIONS = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down
@@ -27,15 +27,9 @@ HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
 
 
 def fastest(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
-    best = {name: float("inf") for name in fns}
-    for fn in fns.values():
-        fn()  # warm-up: primitive creation, first-touch
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            best[name] = min(best[name], time.perf_counter() - start)
-    return best
+    """The best of `repeats` alternating rounds each, after one untimed call: the engine's own
+    start-up timer (engine.rank.kernel_choice), held to exactly `repeats` rounds."""
+    return kernel_choice.fastest(fns, min_rounds=repeats, min_seconds=0.0, max_rounds=repeats)
 
 
 def projections(rows: int, dtype: torch.dtype, repeats: int) -> dict[str, float]:
