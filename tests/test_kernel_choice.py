@@ -11,6 +11,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from engine.errors import ConfigError
+from engine.rank import gemm
 from engine.rank import kernel_choice as kc
 from engine.rank.attention import torch_attention
 from engine.rank.kv_cache import KVCache
@@ -142,6 +143,54 @@ def test_engine_reports_its_picks_and_tokens_do_not_change(tiny_model_dir, cache
                 assert any(line.startswith("attention") for line in info.kernels)
             else:
                 assert info.kernels == [] and info.kernel_choice_s == 0.0
+    assert outs["measure"] == outs["fixed"]
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_a_packed_bf16_weight_computes_the_product(rows):
+    gen = torch.Generator().manual_seed(2)
+    w, x = (torch.randn(*shape, generator=gen).bfloat16() for shape in ((48, 32), (rows, 32)))
+    bias = torch.randn(48, generator=gen).bfloat16()
+    y = gemm.linear(x, gemm.pack_for_one_row(w), bias)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.double(), x.double() @ w.double().t() + bias.double(),
+                               rtol=0, atol=0.12)
+
+
+def test_only_a_bf16_model_times_packed_decode_copies(cache):
+    for dtype, timed in ((torch.float32, False), (torch.bfloat16, True)):
+        choice, weights = _measured(dtype)
+        decode_picks = [p for p in choice.picks if p.op == "decode-weights"]
+        assert bool(decode_picks) == timed
+        assert sorted(p.shape for p in decode_picks) == ([(48, 32), (64, 32)] if timed else [])
+        assert all(set(p.seconds) == {"plain", "packed"} for p in decode_picks)
+
+
+def test_bf16_decode_reads_packed_copies_where_they_won(tiny_model_dir, cache, monkeypatch):
+    """Packed copies made to win the timing: decode steps read them (more bytes held, the
+    picks say so) and the tokens are those of the plain weights."""
+    timed = kc._time_linear
+
+    def packed_wins(kernels, weight, rows, prepare=None):
+        return {"plain": 2e-3, "packed": 1e-3} if prepare else timed(kernels, weight, rows)
+
+    monkeypatch.setattr(kc, "_time_linear", packed_wins)
+    path = str(tiny_model_dir("llama"))
+    prompts = [[5, 9, 2, 7, 11, 3, 8, 1] * 3, [4, 4, 6]]
+    outs, infos = {}, {}
+    for choice in ("measure", "fixed"):
+        with LLM(path, dtype="bfloat16", kernel_choice=choice, max_num_batched_tokens=64) as llm:
+            [infos[choice]] = llm.rank_info()
+            outs[choice] = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=8))]
+    packed = [line for line in infos["measure"].kernels if line.startswith("decode-weights")]
+    assert packed and all(": packed (" in line for line in packed)
+    # every projection weight once more, in bf16: q/k/v, o, gate/up, down per layer + LM head
+    cfg = json.loads((tiny_model_dir("llama") / "config.json").read_text())
+    h, ffn, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    kv = cfg["num_key_value_heads"] * h // cfg["num_attention_heads"]
+    per_layer = h * (h + 2 * kv) + h * h + 2 * ffn * h + ffn * h
+    extra = 2 * (layers * per_layer + cfg["vocab_size"] * h)
+    assert infos["measure"].weight_bytes - infos["fixed"].weight_bytes == extra
     assert outs["measure"] == outs["fixed"]
 
 

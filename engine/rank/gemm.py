@@ -93,6 +93,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight,
     return eager_onednn_linear(x, weight, bias)
 
 
+def pack_for_one_row(weight: torch.Tensor) -> torch.Tensor:
+    """The weight reordered into oneDNN's own layout for products of one row: an opaque tensor
+    that only oneDNN's inner product reads (`linear` sends such weights there)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+
+
 def eager_onednn_linear(x: torch.Tensor, weight: torch.Tensor,
                         bias: torch.Tensor | None = None) -> torch.Tensor:
     """oneDNN's inner product called directly (eager only): the custom-op wrapper costs ~10 us,

@@ -71,9 +71,7 @@ class Worker:
                                 if plan.weights is not None else 0)
         self.load_s = time.perf_counter() - started
         self.kernel_choice_s = self._measure_kernels() if plan.measure_kernels else 0.0
-        self.decode_model, self.decode_bytes = (
-            decode_view(self.model, self.tp, plan.decode_dtype, packed=not plan.compile)
-            if plan.decode_dtype is not None else (None, 0))
+        self.decode_model, self.decode_bytes = self._decode_view()
         self.cache = KVCache(plan.model.num_layers, plan.num_blocks, plan.block_size,
                              shard.heads.num_kv_heads, plan.model.head_dim, plan.dtype, self.device)
         self.kv_head_of_q = mapping = shard.heads.kv_head_of_q_head()
@@ -95,6 +93,17 @@ class Worker:
                              self.plan.max_num_batched_tokens,
                              lm_head_shape=tuple(self.model.lm_head.weight.shape))
         return time.perf_counter() - started
+
+    def _decode_view(self) -> tuple[torch.nn.Module | None, int]:
+        """The model view decode steps run (engine.rank.decode_weights): decode_dtype copies,
+        or packed copies of the weights measured faster so; (None, 0): decode runs the model."""
+        plan = self.plan
+        if plan.decode_dtype is not None:
+            return decode_view(self.model, self.tp, plan.decode_dtype, packed=not plan.compile)
+        if self.kernels.packed_decode_shapes and not plan.compile:
+            return decode_view(self.model, self.tp, plan.dtype,
+                               shapes=self.kernels.packed_decode_shapes)
+        return None, 0
 
     def _warm_up(self) -> float:
         """Compile (compile=True) and tune (Triton on a GPU) at start-up; seconds taken."""
