@@ -81,11 +81,13 @@ def _kernel_lines(picks: list[str]) -> list[str]:
     if not picks:
         return ["kernels: the built-in choice (kernel_choice='fixed', or not a CPU)"]
     lines = []
-    for op in ("linear", "attention"):
+    for op in ("linear", "attention", "decode-weights"):  # the last: bf16 models only
         won: dict[str, int] = {}
         for pick in (p for p in picks if p.startswith(op + " ")):
             kernel = pick.split(": ", 1)[1].split(" ", 1)[0]
             won[kernel] = won.get(kernel, 0) + 1
+        if not won:
+            continue
         lines.append(f"{op} kernels timed here at start-up (rank 0): "
                      + ", ".join(f"{k} fastest in {n} of {sum(won.values())} shape/row cases"
                                  for k, n in sorted(won.items())))

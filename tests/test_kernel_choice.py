@@ -166,6 +166,20 @@ def test_only_a_bf16_model_times_packed_decode_copies(cache):
         assert all(set(p.seconds) == {"plain", "packed"} for p in decode_picks)
 
 
+def test_the_walkthrough_counts_each_ops_wins(cache):
+    from report.tables import _kernel_lines
+
+    choice, _ = _measured(torch.bfloat16)
+    lines = _kernel_lines(choice.describe())
+    assert [line.split(" ", 1)[0] for line in lines] == ["linear", "attention", "decode-weights"]
+    for line, op in zip(lines, ("linear", "attention", "decode-weights")):
+        picks = [p for p in choice.picks if p.op == op]
+        counts = {k: sum(p.kernel == k for p in picks) for k in {p.kernel for p in picks}}
+        assert line.endswith(", ".join(f"{k} fastest in {n} of {len(picks)} shape/row cases"
+                                       for k, n in sorted(counts.items())))
+    assert len(_kernel_lines(_measured(torch.float32)[0].describe())) == 2
+
+
 def test_bf16_decode_reads_packed_copies_where_they_won(tiny_model_dir, cache, monkeypatch):
     """Packed copies made to win the timing: decode steps read them (more bytes held, the
     picks say so) and the tokens are those of the plain weights."""
