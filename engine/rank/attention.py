@@ -85,7 +85,8 @@ def torch_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         if e - s == kv_len:  # nothing cached before: the new K/V are the whole context
             keys, values = k[s:e], v[s:e]
         else:
-            keys, values = cache.gather(layer, meta.table[i], kv_len)
+            keys, values = cache.gather(layer, meta.table[i], kv_len,
+                                        meta.first_blocks[i] if meta.first_blocks else None)
         if not meta.uniform_groups:  # uneven groups on this rank: one KV copy per query head
             keys = keys.index_select(1, meta.kv_head_of_q)
             values = values.index_select(1, meta.kv_head_of_q)

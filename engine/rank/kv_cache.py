@@ -28,12 +28,19 @@ class KVCache:
         """Scatter the new tokens' K/V ([T, kv_heads, d]) into their slots."""
         store_into(self.data, i, k, v, slot_mapping)
 
-    def gather(self, i: int, block_table: list[int] | torch.Tensor,
-               length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather(self, i: int, block_table: list[int] | torch.Tensor, length: int,
+               first_block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of the first `length` positions of one sequence, [length, kv_heads, d]. The
-        attention of every layer passes the step's device row of block ids (no host work)."""
+        attention of every layer passes the step's device row of block ids (no host work).
+        `first_block`: the table's blocks are known to run first_block, first_block + 1, ...
+        (StepMetadata.first_blocks): K/V are then a view of the cache, no copy (a decode step
+        of SmolLM2 at 256 tokens spent ~7 % of its time copying them)."""
         k_cache, v_cache = self.layer(i)
-        blocks = block_table[: -(-length // self.block_size)]
+        used = -(-length // self.block_size)
+        if first_block is not None:
+            return (k_cache[first_block:first_block + used].flatten(0, 1)[:length],
+                    v_cache[first_block:first_block + used].flatten(0, 1)[:length])
+        blocks = block_table[:used]
         if not isinstance(blocks, torch.Tensor):
             blocks = torch.tensor(blocks, device=k_cache.device)
         # index_select: ~2x faster than k_cache[blocks] for the few blocks of a decode step

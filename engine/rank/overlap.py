@@ -60,7 +60,8 @@ def with_halves(ctx: StepContext, batch, kv_head_of_q: list[int], uniform_groups
     ctx.halves = tuple(
         StepContext(ctx.mode, ctx.token_ids[r], ctx.positions[r], None, ctx.cache,
                     build_step_metadata(cu, lens, tables, slots, kv_head_of_q, ctx.cache.data.device,
-                                        uniform_groups=uniform_groups), ctx.ops)
+                                        uniform_groups=uniform_groups,
+                                        block_size=ctx.cache.block_size), ctx.ops)
         for r, (cu, lens, tables, slots) in zip(rows, halves))
     return ctx
 

@@ -63,10 +63,23 @@ class StepMetadata:
     token_ids: torch.Tensor | None = None  # [T]
     positions: torch.Tensor | None = None  # [T]
     logits_indices: torch.Tensor | None = None  # rows that sample a token
+    # per sequence, the first of its context's blocks when they are consecutive (its K/V are
+    # one slice of the cache, read without a copy: KVCache.gather), else None
+    first_blocks: list[int | None] | None = None
 
     @property
     def num_seqs(self) -> int:
         return len(self.context_lens)
+
+
+def consecutive_from(table: list[int], length: int, block_size: int) -> int | None:
+    """The first block of the `length` positions' blocks in `table` if they run b, b+1, ...;
+    else None."""
+    used = _cdiv(length, block_size)
+    if used == 0 or len(table) < used:
+        return None
+    first = table[0]
+    return first if all(table[j] == first + j for j in range(1, used)) else None
 
 
 def _group_rows(kv_head_of_q: list[int]) -> tuple[int, list[list[int]]]:
@@ -124,11 +137,13 @@ def build_step_metadata(cu_seqlens_q: list[int], context_lens: list[int],
                         kv_head_of_q: list[int] | torch.Tensor, device: torch.device | str,
                         uniform_groups: bool = False,
                         defaults: KernelDefaults | None = None,
-                        inputs: dict[str, list[int]] | None = None) -> StepMetadata:
+                        inputs: dict[str, list[int]] | None = None,
+                        block_size: int | None = None) -> StepMetadata:
     """Everything the attention and KV-store kernels read, for one step, on `device`. Pass
     slot_mapping and kv_head_of_q as lists to have them in the same single copy (a device
     tensor is kept as it is; a device kv_head_of_q costs one read back here, once per step).
-    `inputs` (token_ids, positions, logits_indices) ride in that copy too."""
+    `inputs` (token_ids, positions, logits_indices) ride in that copy too. `block_size`:
+    the cache's, to find each context's consecutive blocks (None: not looked for)."""
     device = torch.device(device)
     defaults = defaults or defaults_for(device)
     num_seqs = len(context_lens)
@@ -169,4 +184,6 @@ def build_step_metadata(cu_seqlens_q: list[int], context_lens: list[int],
         groups=views["groups"].view(num_kv_heads, group_width), num_tokens=cu_seqlens_q[-1],
         max_kv=max_kv, num_kv_heads=num_kv_heads, group_width=group_width, is_decode=is_decode,
         decode_kv_per_split=per_split, defaults=defaults, token_ids=views.get("token_ids"),
-        positions=views.get("positions"), logits_indices=views.get("logits_indices"))
+        positions=views.get("positions"), logits_indices=views.get("logits_indices"),
+        first_blocks=None if block_size is None else
+        [consecutive_from(t, n, block_size) for t, n in zip(block_tables, context_lens)])

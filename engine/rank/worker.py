@@ -164,7 +164,8 @@ class Worker:
                   "logits_indices": batch.logits_indices}
         meta = build_step_metadata(batch.cu_seqlens_q, batch.context_lens, batch.block_tables,
                                    batch.slot_mapping, self.kv_head_of_q, self.device,
-                                   uniform_groups=self.uniform_groups, inputs=inputs)
+                                   uniform_groups=self.uniform_groups, inputs=inputs,
+                                   block_size=self.cache.block_size)
         # beside compiled graphs, steps read the model's own weights (compiled for them)
         ctx = StepContext(mode, meta.token_ids, meta.positions, meta.logits_indices,
                           self.cache, meta, self.backend.step_ops(meta.is_decode),
