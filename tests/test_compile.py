@@ -151,3 +151,17 @@ def test_compile_failure_falls_back_to_eager(llama, want, caplog, monkeypatch):
     assert "running eagerly instead" in caplog.text
     assert tokens == want_tokens
     torch.testing.assert_close(logits[0], want_logits[0], atol=1e-5, rtol=1e-5)
+
+
+def test_inductor_keeps_its_code_in_the_engines_cache_folder(tmp_path, monkeypatch):
+    from torch._inductor.runtime.cache_dir_utils import cache_dir as inductor_cache_dir
+
+    from engine.rank.compiled import CompiledModel
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setenv("PREFILL_ENGINE_CACHE", str(tmp_path))
+    CompiledModel(torch.nn.Linear(2, 2))
+    assert inductor_cache_dir() == str(tmp_path / "inductor")  # where torch will write
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
+    CompiledModel(torch.nn.Linear(2, 2))
+    assert inductor_cache_dir() == str(tmp_path / "mine")  # a folder chosen before is kept

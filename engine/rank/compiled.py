@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import os
 import types
 from typing import Callable
 
@@ -28,12 +29,21 @@ from torch import nn
 from engine.batch import Batch
 from engine.rank.cuda_graphs import DecodeGraphs, widths_up_to
 from engine.rank.graph_ops import LAYERS_GRAPH_OPS, running
+from engine.rank.kernel_choice import cache_dir
 from engine.rank.kv_cache import KVCache
 from engine.rank.padded_decode import pad_decode_step
 from engine.rank.step_context import StepContext
 from engine.rank.gemm import MATVEC_ROWS
 
 DECODE_BUCKETS = (1, 2, 4, 8)
+
+
+def keep_compiled_code() -> str:
+    """Where inductor keeps the code it generates: the engine's cache folder (beside the kernel
+    timings, engine.rank.kernel_choice), so a start-up after a reboot or a cleaned /tmp (torch's
+    default) finds its graphs compiled: ~60 s warm against ~4 min cold for SmolLM2 here. A
+    folder the user or an earlier compile in this process chose is kept."""
+    return os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
 
 
 class CompiledModel:
@@ -43,6 +53,7 @@ class CompiledModel:
         """`decode_model`: the view whose projections read decode_dtype copies (decode_weights),
         which the decode graph runs when a step asks for it."""
         self.model, self.decode_model = model, decode_model or model
+        keep_compiled_code()
         self.usable = True  # False once compiling failed here: eager from then on
         self.enabled = True  # off while the tracer watches the eager modules
         # torch.compile keeps graphs (and a limit of 8 recompiles) per code object: each kind
