@@ -191,11 +191,23 @@ def test_bf16_decode_reads_packed_copies_where_they_won(tiny_model_dir, cache, m
     monkeypatch.setattr(kc, "_time_linear", packed_wins)
     path = str(tiny_model_dir("llama"))
     prompts = [[5, 9, 2, 7, 11, 3, 8, 1] * 3, [4, 4, 6]]
-    outs, infos = {}, {}
+    packed_products = []
+    low_precision = gemm._low_precision  # where products with a packed weight go
+    monkeypatch.setattr(gemm, "_low_precision",
+                        lambda x, w, b: packed_products.append(len(x)) or low_precision(x, w, b))
+    outs, infos, prompt_logits, reads = {}, {}, {}, {}
     for choice in ("measure", "fixed"):
         with LLM(path, dtype="bfloat16", kernel_choice=choice, max_num_batched_tokens=64) as llm:
             [infos[choice]] = llm.rank_info()
+            packed_products.clear()
+            prompt_logits[choice] = [o.logits for o in llm.prefill(prompts)]
+            reads[choice] = list(packed_products)
             outs[choice] = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=8))]
+    # a prompt step reads the packed LM head for its two sampled rows, and nothing else packed
+    assert reads == {"measure": [2], "fixed": []}
+    for got, want in zip(prompt_logits["measure"], prompt_logits["fixed"]):
+        # the same bf16 product in another blocking: its float32 sums round to bf16 a few ulps apart
+        torch.testing.assert_close(got, want, rtol=0, atol=0.02 * want.abs().max().item())
     packed = [line for line in infos["measure"].kernels if line.startswith("decode-weights")]
     assert packed and all(": packed (" in line for line in packed)
     # every projection weight once more, in bf16: q/k/v, o, gate/up, down per layer + LM head
