@@ -4,7 +4,8 @@ a prompt's causal attention through torch's SDPA (its CPU flash kernel, grouped 
 shared with `enable_gqa`) against the engine's blocked attention (engine/rank/blocked_attention,
 which the engine uses for bf16 prompts). SmolLM2-135M's shapes (hidden 576, FFN 1536, 9 query /
 3 KV heads of 64). Also, inside a compiled graph, float32 decode rows through oneDNN against
-a multiply-and-sum (what the compiled decode graph uses for 1-2 rows). Runs alternate; the
+a multiply-and-sum (what the compiled decode graph uses for 1-2 rows), and bf16 decode rows
+reading plain weights against weights packed for one row. Runs alternate; the
 fastest of each is kept.
 
     .venv/bin/python -m bench.cpu_ops
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 from bench.common import machine
 from engine.rank.blocked_attention import blocked_causal_attention
 from engine.rank import kernel_choice
+from engine.rank import gemm
 from engine.rank.gemm import linear, onednn_linear
 
 PROJECTIONS = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down
@@ -61,6 +63,20 @@ def compiled_decode_rows(rows: int, repeats: int) -> dict[str, float]:
     return {name: flops / s / 1e9 for name, s in t.items()}
 
 
+def packed_decode_rows(rows: int, repeats: int) -> dict[str, float]:
+    """bf16 decode rows (30 layers of distinct weights) through oneDNN, each weight plain against
+    packed for one row (what a bf16 model's decode steps read where the start-up timing finds it
+    faster: engine.rank.decode_weights). GB/s of weight read."""
+    weights = [torch.randn(shape, dtype=torch.bfloat16) for _ in range(30) for shape in PROJECTIONS]
+    packed = [gemm.pack_for_one_row(w) for w in weights]
+    inputs = {k: torch.randn(rows, k, dtype=torch.bfloat16) for k in (576, 1536)}
+    nbytes = sum(w.nbytes for w in weights)
+    t = fastest({"plain": lambda: [linear(inputs[w.shape[1]], w) for w in weights],
+                 "packed": lambda: [linear(inputs[w.shape[1]], p) for w, p in zip(weights, packed)]},
+                repeats)
+    return {name: nbytes / s / 1e9 for name, s in t.items()}
+
+
 def attention(q_len: int, kv_len: int, dtype: torch.dtype, repeats: int) -> dict[str, float]:
     """The last q_len queries of a kv_len context (q_len < kv_len: a chunk after a prefix)."""
     q = torch.randn(q_len, HEADS, HEAD_DIM, dtype=dtype)
@@ -94,6 +110,12 @@ def main() -> None:
             r = compiled_decode_rows(rows, args.repeats)
             print(f"{f'float32, {rows} rows':<24} {r['oneDNN op']:>17.1f} "
                   f"{r['multiply-and-sum']:>15.1f} {r['multiply-and-sum'] / r['oneDNN op']:>17.2f}x")
+    if "bfloat16" in args.dtypes:
+        print(f"{'bf16 decode weights':<24} {'plain GB/s':>17} {'packed GB/s':>15} {'packed / plain':>18}")
+        for rows in (1, 4):
+            r = packed_decode_rows(rows, args.repeats)
+            print(f"{f'bfloat16, {rows} rows':<24} {r['plain']:>17.1f} {r['packed']:>15.1f} "
+                  f"{r['packed'] / r['plain']:>17.2f}x")
     print(f"{'prompt attention q/kv':<24} {'SDPA ms':>17} {'blocked ms':>15} {'SDPA / blocked':>18}")
     for dtype in args.dtypes:
         for q_len, kv_len in ((128, 128), (512, 512), (2048, 2048), (512, 2048)):
