@@ -5,12 +5,14 @@ layers graph); a setup where compiling fails falls back to eager with a warning.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 import torch
 
 from engine import LLM, SamplingParams
 from engine.loading.synthetic import random_token_ids
+from engine.rank import kernel_choice
 
 SHARED = random_token_ids(32, 300, seed=3)
 PROMPTS = [SHARED + random_token_ids(n, 300, seed=n) for n in (5, 23)] + \
@@ -39,12 +41,27 @@ def eager(llama):
         yield llm
 
 
+def _graph_rows_timed(tmp_path: Path, faster: str) -> pytest.MonkeyPatch:
+    """The start-up timing of a graph's one-row products made to pick `faster`, in a timings
+    folder of its own (a kept timing would be read instead)."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("PREFILL_ENGINE_CACHE", str(tmp_path))
+    slower = {"multiply-and-sum": "torch", "torch": "multiply-and-sum"}[faster]
+    mp.setattr(kernel_choice, "_time_in_graph", lambda kernels, weights: {faster: 1.0, slower: 2.0})
+    return mp
+
+
 @pytest.fixture(scope="module")
-def compiled(llama):
+def compiled(llama, tmp_path_factory):
     """One compiled engine for the tests that read it (its warm-up is most of their time); each
-    sends prompts of its own, so none hits another's prefix."""
-    with LLM(llama, compile=True, **SETTINGS) as llm:
-        yield llm
+    sends prompts of its own, so none hits another's prefix. Its graphs' one-row products are
+    multiply-and-sums (test_graph_rows_through_torch_matmul_match_eager takes the other pick)."""
+    mp = _graph_rows_timed(tmp_path_factory.mktemp("timings"), "multiply-and-sum")
+    try:
+        with LLM(llama, compile=True, **SETTINGS) as llm:
+            yield llm
+    finally:
+        mp.undo()
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +98,18 @@ def _check_compiled_run(llm: LLM, want_logits: list[torch.Tensor], want_tokens: 
     for got, expected in zip(logits, want_logits):
         torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
     assert tokens == want_tokens
+
+
+def test_graph_rows_through_torch_matmul_match_eager(llama, want, tmp_path):
+    """The pick recorded, and the decode graphs calling torch's matmul give eager's answers."""
+    mp = _graph_rows_timed(tmp_path, "torch")
+    try:
+        with LLM(llama, compile=True, **SETTINGS) as llm:
+            [line] = [k for k in llm.rank_info()[0].kernels if k.startswith("graph-linear")]
+            assert ": torch (" in line
+            _check_compiled_run(llm, *want)
+    finally:
+        mp.undo()
 
 
 def test_wide_decode_steps_run_the_layers_graph(eager, compiled):

@@ -220,6 +220,37 @@ def test_bf16_decode_reads_packed_copies_where_they_won(tiny_model_dir, cache, m
     assert outs["measure"] == outs["fixed"]
 
 
+def test_graph_rows_are_timed_in_compiled_graphs(cache):
+    """compile=True, float32: both ways of a graph's one-row products, compiled and timed; the
+    pick is kept on disk and read back; a bf16 model is not timed."""
+    weights = [torch.randn(48, 32), torch.randn(64, 32), torch.randn(40, 48)]
+    choice = kc.KernelChoice(torch.float32)
+    choice.choose_graph_rows(weights)
+    [pick] = choice.picks
+    assert pick.op == "graph-linear" and pick.shape == ((40, 48), (48, 32), (64, 32))
+    assert set(pick.seconds) == {"multiply-and-sum", "torch"} and min(pick.seconds.values()) > 0
+    assert choice.graph_rows_call_torch == (pick.kernel == "torch")
+    again = kc.KernelChoice(torch.float32)
+    again.choose_graph_rows(weights)
+    assert again.picks[0].from_disk and again.picks[0].seconds == pick.seconds
+    low = kc.KernelChoice(torch.bfloat16)
+    low.choose_graph_rows([w.bfloat16() for w in weights])
+    assert low.picks == [] and not low.graph_rows_call_torch
+
+
+@pytest.mark.parametrize("call_torch", [False, True])
+def test_a_compiled_one_row_product_follows_the_pick(call_torch):
+    gen = torch.Generator().manual_seed(3)
+    w, x, b = (torch.randn(*shape, generator=gen) for shape in ((48, 32), (1, 32), (48,)))
+    choice = kc.KernelChoice(torch.float32, graph_rows_call_torch=call_torch)
+    products = []
+    graph = torch.compile(choice.linear, dynamic=False, fullgraph=True,
+                          backend=lambda gm, _: products.extend(
+                              n.target for n in gm.graph.nodes if n.op == "call_function") or gm)
+    torch.testing.assert_close(graph(x, w, b), x @ w.t() + b)
+    assert (torch._C._nn.linear in products) == call_torch
+
+
 def test_a_bad_setting_names_the_fix():
     with pytest.raises(ConfigError, match="kernel_choice='fastest'.*'measure'.*'fixed'"):
         LLM("smollm2", kernel_choice="fastest")

@@ -34,8 +34,8 @@ def _low_precision(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     MATVEC_ROWS fixed rows, as a float32 multiply-and-sum reading the bf16 weight; its result
     and the bias are float32."""
     if torch.compiler.is_compiling():
-        if _few_fixed_rows(x):
-            return _matvec(x, weight.to(x.dtype), bias)
+        if few_fixed_rows(x):
+            return matvec(x, weight.to(x.dtype), bias)
         y = onednn_linear(x.to(weight.dtype), weight, None)
     else:
         y = torch.ops.mkldnn._linear_pointwise(x.to(weight.dtype), weight, None, "none", [], "")
@@ -51,14 +51,14 @@ def _low_precision(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 MATVEC_ROWS = 2
 
 
-def _few_fixed_rows(x: torch.Tensor) -> bool:
+def few_fixed_rows(x: torch.Tensor) -> bool:
     # dynamo treats a symbolic row count as an int, so this would guard a dynamic graph on it:
     # engine.rank.compiled bounds its dynamic token count below at MATVEC_ROWS + 1, which makes
     # the comparison false there without a guard
     return x.shape[0] <= MATVEC_ROWS and x.dtype == torch.float32
 
 
-def _matvec(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def matvec(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     y = (x.unsqueeze(1) * weight).sum(-1)
     return y if bias is None else y + bias
 
@@ -87,8 +87,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight,
     if not _onednn_usable(x, weight):
         return F.linear(x, weight, bias)
     if torch.compiler.is_compiling():
-        if _few_fixed_rows(x):
-            return _matvec(x, weight, bias)
+        if few_fixed_rows(x):
+            return matvec(x, weight, bias)
         return onednn_linear(x, weight, bias)
     return eager_onednn_linear(x, weight, bias)
 

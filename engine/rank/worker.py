@@ -92,6 +92,8 @@ class Worker:
                              (heads.num_q_heads, heads.num_kv_heads, self.plan.model.head_dim),
                              self.plan.max_num_batched_tokens,
                              lm_head_shape=tuple(self.model.lm_head.weight.shape))
+        if self.plan.compile:
+            self.kernels.choose_graph_rows(projection_weights(self.model))
         return time.perf_counter() - started
 
     def _decode_view(self) -> tuple[torch.nn.Module | None, int]:
