@@ -238,6 +238,17 @@ def test_graph_rows_are_timed_in_compiled_graphs(cache):
     assert low.picks == [] and not low.graph_rows_call_torch
 
 
+def test_a_failed_compile_while_timing_keeps_the_built_in(cache, monkeypatch, caplog):
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(torch, "compile", no_compiler)
+    choice = kc.KernelChoice(torch.float32)
+    choice.choose_graph_rows([torch.randn(48, 32)])
+    assert choice.picks == [] and not choice.graph_rows_call_torch
+    assert "timing compiled products failed on this setup (RuntimeError: no C++ compiler)" in caplog.text
+
+
 @pytest.mark.parametrize("call_torch", [False, True])
 def test_a_compiled_one_row_product_follows_the_pick(call_torch):
     gen = torch.Generator().manual_seed(3)
