@@ -86,6 +86,11 @@ def projection_weights(model: nn.Module) -> list[torch.Tensor]:
             and isinstance(m.weight, torch.Tensor)]
 
 
+def one_per_shape(weights: list[torch.Tensor]) -> dict[tuple[int, ...], torch.Tensor]:
+    """One weight of each shape: the timings depend on the shape only."""
+    return {tuple(w.shape): w for w in weights}
+
+
 def row_bucket(rows: int) -> int:
     """b such that 4**(b-1) < rows <= 4**b (rows >= 1)."""
     return ((rows - 1).bit_length() + 1) // 2
@@ -185,7 +190,7 @@ class KernelChoice:
         store, linears = TimingStore.open(), linear_kernels()
         max_tokens = min(max_tokens, MAX_TIMED_ROWS)
         self._top_bucket = row_bucket(max_tokens)
-        for shape, weight in {tuple(w.shape): w for w in weights}.items():
+        for shape, weight in one_per_shape(weights).items():
             top = min(LM_HEAD_ROWS, max_tokens) if shape == lm_head_shape else max_tokens
             for bucket in range(row_bucket(top) + 1):
                 rows = min(4 ** bucket, top)
@@ -212,7 +217,7 @@ class KernelChoice:
         for SmolLM2's shapes); graphs compiled afterwards take the pick."""
         if self.dtype != torch.float32:
             return
-        shapes = {tuple(w.shape): w for w in weights}
+        shapes = one_per_shape(weights)
         store = TimingStore.open()
         candidates = {"multiply-and-sum": gemm.matvec, "torch": F.linear}
         try:
@@ -232,7 +237,7 @@ class KernelChoice:
         shapes where packed wins get packed copies for decode steps (engine.rank.decode_weights)."""
         if self.dtype not in DECODE_COPY_DTYPES or not gemm.HAVE_ONEDNN:
             return
-        for shape, weight in {tuple(w.shape): w for w in weights}.items():
+        for shape, weight in one_per_shape(weights).items():
             candidates = {"plain": self._linear[(*shape, 0)], "packed": gemm.eager_onednn_linear}
             pick = store.get_or_time(
                 Pick("decode-weights", shape, 1, "plain"), self.dtype, candidates,
@@ -270,8 +275,9 @@ def _time_linear(kernels: dict[str, Callable], weight: torch.Tensor, rows: int,
 
 
 def _time_in_graph(kernels: dict[str, Callable], weights: list[torch.Tensor]) -> dict[str, float]:
-    """Seconds for one row through copies of every weight (~STREAMED_BYTES in all), each
-    candidate compiled as one static graph, as a decode graph runs its projections."""
+    """Seconds for one row through copies of every weight (at least STREAMED_BYTES in all, one
+    copy when the weights alone are more), each candidate compiled as one static graph, as a
+    decode graph runs its projections."""
     count = max(1, min(MAX_COPIES, STREAMED_BYTES // sum(w.nbytes for w in weights)))
     copies = [w.clone() for _ in range(count) for w in weights]
     xs = {n: torch.randn(1, n) for n in {w.shape[1] for w in copies}}
