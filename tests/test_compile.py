@@ -1,7 +1,8 @@
 """compile=True gives the eager engine's answers: logits and greedy tokens, with chunked
 prefill, prefix hits and steps that mix prompts and decodes, through both kinds of graph (the
-whole-model decode graph of each row bucket, padding rows included, and the dynamic-length
-layers graph); a setup where compiling fails falls back to eager with a warning."""
+static decode graphs of each row bucket, padding rows included, and the dynamic-length prompt
+graph), each one layer's graph shared by every layer; a setup where compiling fails falls back
+to eager with a warning."""
 from __future__ import annotations
 
 import logging
@@ -141,6 +142,45 @@ def test_nothing_compiles_inside_requests(eager, compiled):
     compiled.score([prompts[3]])
     assert counters["stats"]["unique_graphs"] == graphs_before
     assert got == want and got_one == want_one
+
+
+def test_one_graph_serves_every_layer(tiny_model_dir, tmp_path, monkeypatch):
+    """A six-layer model compiles at most two graphs of each layer function, whatever its
+    depth (layer 0's, then one whose layer index is symbolic; or only the latter, where an
+    engine earlier in this process showed dynamo the index varies: it learns per code name),
+    and one head per bucket; and it answers as eager
+    does, so every layer run through a shared graph read its own weights and its own slice of
+    the cache (decode steps check only the guards that tell graphs apart)."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from engine.rank.compiled import CompiledModel
+
+    def graphs(fn) -> int:  # the graphs dynamo keeps for a compiled function's code
+        return len(_debug_get_cache_entry_list(fn._torchdynamo_orig_callable.__code__))
+
+    made, real_init = [], CompiledModel.__init__
+    monkeypatch.setattr(CompiledModel, "__init__",
+                        lambda self, *a, **k: (made.append(self), real_init(self, *a, **k))[1])
+    deep = str(tiny_model_dir("deep"))
+    with LLM(deep, compile=False, **SETTINGS) as llm:
+        want_logits, want_tokens = _run(llm)
+    mp = _graph_rows_timed(tmp_path, "multiply-and-sum")
+    try:
+        with LLM(deep, compile=True, **SETTINGS) as llm:
+            [compiled] = made
+            counts = [graphs(compiled._layer)] + [graphs(g) for g in
+                                                  compiled._decode_layer.values()]
+            heads = [graphs(g) for g in compiled._decode_head.values()]
+            logits, tokens = _run(llm)
+            decode_graphs = {t.graph for t in llm.step_timings() if t.graph.startswith("decode")}
+    finally:
+        mp.undo()
+    assert all(1 <= n <= 2 for n in counts), counts  # six layers: not one graph per layer
+    assert heads == [1, 1, 1, 1]
+    assert {"decode-4", "decode-8"} <= decode_graphs
+    for got, expected in zip(logits, want_logits):
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    assert tokens == want_tokens
 
 
 def test_short_context_warms_up_within_it(llama):

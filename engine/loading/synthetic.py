@@ -20,6 +20,9 @@ SPECS = {
     "mistral": dict(arch="mistral", num_attention_heads=8, num_key_value_heads=2, head_dim=8,
                     intermediate_size=128, vocab_size=257, tie_word_embeddings=False,
                     sliding_window=None),
+    # llama's shapes, six layers: graphs shared across layers meet several of them
+    "deep": dict(arch="llama", num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=96, vocab_size=300, tie_word_embeddings=False),
     # uneven everything for tensor parallelism: 6 query / 3 KV heads, odd vocab and FFN sizes
     "uneven": dict(arch="llama", hidden_size=72, num_attention_heads=6, num_key_value_heads=3, intermediate_size=100,
                    vocab_size=301, tie_word_embeddings=False),

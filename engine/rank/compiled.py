@@ -1,15 +1,21 @@
-"""`compile=True`: a rank's forward as torch.compile'd graphs, each a whole model.
+"""`compile=True`: a rank's forward as torch.compile'd graphs of one decoder layer each.
+
+Every layer has the same ops on weights of the same shapes, so one layer's graph serves all
+of them (regional compilation): the weights are the graph's inputs, and the layer's index (its
+slice of the KV cache) an unspecialised integer. A model compiles a few one-layer graphs, not
+whole-model graphs of every layer: SmolLM2's 30 layers took ~250 s to compile cold on the AMX
+Xeon as whole-model graphs (BENCHMARKS.md).
 
 - A decode step (one new token per sequence, at most `DECODE_BUCKETS[-1]` sequences, nothing
-  scored) runs embedding, every layer, the final norm and this rank's slice of the LM head as
-  one graph with static shapes: its rows are padded to the next size bucket, and each bucket is
-  compiled once. Its float32 projections become streaming multiply-and-sum loops
-  (engine.rank.gemm), its paged attention is tensor math over the block table (padded_decode) and
-  its small ops fuse, so the step is the weight reads plus little else.
-- Any other step of more than MATVEC_ROWS tokens runs the layers as one graph with a dynamic
-  token count; shorter ones (rare) run eagerly.
+  scored) runs its layers' graph with static shapes, then the final norm and this rank's slice
+  of the LM head as a graph of their own: its rows are padded to the next size bucket, and each
+  bucket is compiled once. Its float32 projections become streaming multiply-and-sum loops
+  (engine.rank.gemm), its paged attention is tensor math over the block table (padded_decode)
+  and its small ops fuse, so a layer is its weight reads plus little else.
+- Any other step of more than MATVEC_ROWS tokens runs the layer graph with a dynamic token
+  count; shorter ones (rare) run eagerly. The embedding runs eagerly: one row gather.
 
-Nothing breaks a graph: the KV store (and, in the layers graph, attention with it) and the
+Nothing breaks a graph: the KV store (and, in the prompt graph, attention with it) and the
 all-reduce are registered custom ops (graph_ops, parallel.comm). Compilation (and Triton's,
 for the triton backend) happens in a warm-up when the rank starts, never inside a request's
 step timeout; a failed compile falls back to eager with one warning. Tracing (the
@@ -56,11 +62,18 @@ class CompiledModel:
         keep_compiled_code()
         self.usable = True  # False once compiling failed here: eager from then on
         self.enabled = True  # off while the tracer watches the eager modules
+        self.warm = False  # True once the warm-up has compiled every graph (warm_up)
         # torch.compile keeps graphs (and a limit of 8 recompiles) per code object: each kind
         # of graph of each rank gets a code object of its own, so engines of other shapes in
         # this process never push this one's graphs out to eager
-        self._layers = torch.compile(_own_code(_layers), fullgraph=True)  # token count dynamic
-        self._decode = torch.compile(_own_code(_decode), dynamic=False, fullgraph=True)
+        self._layer = torch.compile(_own_code(_layer), fullgraph=True)  # token count dynamic
+        # each bucket's under a name of its own: dynamo learns which sizes vary per code name,
+        # and the buckets' row counts must not look like one dynamic size. Not dynamic=False,
+        # which would specialise the layer index too
+        self._decode_layer = {rows: torch.compile(_own_code(_decode_layer, rows), fullgraph=True)
+                              for rows in DECODE_BUCKETS}
+        self._decode_head = {rows: torch.compile(_own_code(_decode_head, rows), dynamic=False,
+                                                 fullgraph=True) for rows in DECODE_BUCKETS}
         self.cuda_graphs: DecodeGraphs | None = None  # on CUDA, once captured
 
     def capture_decode_graphs(self, cache: KVCache, kv_head_of_q: torch.Tensor,
@@ -88,13 +101,14 @@ class CompiledModel:
         return DECODE_BUCKETS[at] if self.active and at < len(DECODE_BUCKETS) else None
 
     def forward(self, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
-        """The layers graph: (hidden, residual) of every row. The graph gets the context with
-        the one opaque op as its `ops`; the op reads the step's own context (`running`)."""
-        for rows in (ctx.token_ids, ctx.positions):  # > MATVEC_ROWS: projections stay oneDNN's
-            torch._dynamo.mark_dynamic(rows, 0, min=MATVEC_ROWS + 1, max=2**24)
-        with running(ctx):
-            return self._layers(self.model, dataclasses.replace(ctx, meta=None,
-                                                                ops=LAYERS_GRAPH_OPS))
+        """The layers through the prompt graph: (hidden, residual) of every row. The graph gets
+        the context with the one opaque op as its `ops`; the op reads the step's own context
+        (`running`)."""
+        graph_ctx = dataclasses.replace(ctx, meta=None, ops=LAYERS_GRAPH_OPS)
+        # > MATVEC_ROWS rows: the projections stay oneDNN's
+        torch._dynamo.mark_dynamic(graph_ctx.positions, 0, min=MATVEC_ROWS + 1, max=2**24)
+        with running(ctx), self._stance(decode=False):
+            return _run_layers(self._layer, self.model, graph_ctx, dynamic_rows=True)
 
     def decode_context(self, batch: Batch, cache: KVCache, kv_head_of_q: torch.Tensor,
                        rows: int, decode_weights: bool) -> StepContext:
@@ -114,18 +128,60 @@ class CompiledModel:
 
     def _run_decode(self, ctx: StepContext) -> torch.Tensor:
         torch._dynamo.mark_dynamic(ctx.meta.block_table, 1)  # one graph for every width
+        model = self.decode_model if ctx.decode_weights else self.model
         with torch.no_grad():
-            return self._decode(self.decode_model if ctx.decode_weights else self.model, ctx)
+            with self._stance(decode=True):
+                x, residual = _run_layers(self._decode_layer[len(ctx.token_ids)], model, ctx,
+                                          dynamic_rows=False)
+            return self._decode_head[len(ctx.token_ids)](model, x, residual)
+
+    def _stance(self, decode: bool):
+        """How dynamo treats a step's layer calls: once the warm-up has compiled every graph,
+        a decode step's layer calls check only the guards that tell its graphs apart (the
+        layer's index, a weight view's dtype). Each bucket's graphs have static shapes, all
+        were compiled in the warm-up, and nothing else about a decode step's inputs changes;
+        the full guards (hundreds: every weight, every context field) cost ~0.16 ms a layer,
+        12 % of a SmolLM2 decode step on the AMX Xeon."""
+        return torch.compiler.set_stance(skip_guard_eval_unsafe=decode and self.warm)
 
 
-def _own_code(fn: Callable) -> Callable:
-    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__)
+def _own_code(fn: Callable, rows: int | None = None) -> Callable:
+    name = fn.__name__ if rows is None else f"{fn.__name__}_rows{rows}"
+    return types.FunctionType(fn.__code__.replace(co_name=name), fn.__globals__, name)
 
 
-def _layers(model: nn.Module, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
+def _run_layers(layer_graph: Callable, model: nn.Module, ctx: StepContext,
+                dynamic_rows: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Embed eagerly, then every layer through `layer_graph`. The first layer gets a zero
+    residual rather than None (x + 0 is x), so it takes the same graph as the others."""
+    x = model.embed_tokens(ctx.token_ids)
+    residual = torch.zeros_like(x)
+    # a layer's index is an int attribute of its modules: unspecialised, every layer after
+    # the first reuses one graph (the first compiles its own before dynamo sees a second value)
+    with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True):
+        for layer in model.layers:
+            if dynamic_rows:
+                for rows in (x, residual):
+                    torch._dynamo.mark_dynamic(rows, 0, min=MATVEC_ROWS + 1, max=2**24)
+            x, residual = layer_graph(layer, x, residual, ctx)
+    return x, residual
+
+
+def _layer(layer: nn.Module, x: torch.Tensor, residual: torch.Tensor,
+           ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
+    # inference mode entered inside the graph: inductor cannot write the KV cache (a graph
+    # input) in a graph traced in inference mode (CausalLM.forward)
     with torch.inference_mode():
-        return model(ctx)
+        return layer(x, residual, ctx)
 
 
-def _decode(model: nn.Module, ctx: StepContext) -> torch.Tensor:
-    return model.local_logits(ctx)
+def _decode_layer(layer: nn.Module, x: torch.Tensor, residual: torch.Tensor,
+                  ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
+    return layer(x, residual, ctx)
+
+
+def _decode_head(model: nn.Module, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+    """Every row's logits for this rank's vocabulary slice, before the gather: each row is a
+    sequence's newest token, and every row samples."""
+    x, _ = model.norm(x, residual)
+    return model.lm_head.local(x)

@@ -22,7 +22,10 @@ class KVCache:
         return self.data.numel() * self.data.element_size()
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.data[0, i], self.data[1, i]
+        # select, not data[0, i]: in a compiled layer graph `i` is symbolic, and indexing
+        # would specialise it (one graph per layer)
+        k, v = self.data.select(1, i).unbind(0)
+        return k, v
 
     def store(self, i: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         """Scatter the new tokens' K/V ([T, kv_heads, d]) into their slots."""

@@ -159,13 +159,6 @@ class CausalLM(nn.Module):
         logits = self.lm_head(x)
         return None if logits is None else logits.float()
 
-    def local_logits(self, ctx: StepContext) -> torch.Tensor:
-        """Every row's logits for this rank's vocabulary slice, before the gather: the compiled
-        decode graph, where each row is a sequence's newest token and every row samples."""
-        x, residual = self(ctx)
-        x, _ = self.norm(x, residual)
-        return self.lm_head.local(x)
-
     def load(self, read: TensorReader) -> None:
         self.embed_tokens.load(read, "model.embed_tokens")
         for i, layer in enumerate(self.layers):

@@ -23,6 +23,7 @@ def warm_up(run: RunStep, block_size: int, max_len: int, compiled: CompiledModel
     if compiled is not None:
         try:
             _run_shapes(run, block_size, max_len, DECODE_BUCKETS, tuning_steps)
+            compiled.warm = True
             return time.perf_counter() - start
         except Exception as e:  # noqa: BLE001  an unsupported setup must not stop the engine
             compiled.usable = False
