@@ -42,13 +42,22 @@ def eager(llama):
         yield llm
 
 
-def _graph_rows_timed(tmp_path: Path, faster: str) -> pytest.MonkeyPatch:
+def _graph_rows_timed(tmp_path: Path, faster: str,
+                      eager_steps: tuple[str, ...] = ()) -> pytest.MonkeyPatch:
     """The start-up timing of a graph's one-row products made to pick `faster`, in a timings
-    folder of its own (a kept timing would be read instead)."""
+    folder of its own (a kept timing would be read instead); and the timing of whole steps
+    made to keep every kind's graphs but `eager_steps`' (each candidate still runs once)."""
     mp = pytest.MonkeyPatch()
     mp.setenv("PREFILL_ENGINE_CACHE", str(tmp_path))
     slower = {"multiply-and-sum": "torch", "torch": "multiply-and-sum"}[faster]
     mp.setattr(kernel_choice, "_time_in_graph", lambda kernels, weights: {faster: 1.0, slower: 2.0})
+
+    def time_step(kind, candidates, rounds):
+        for run in candidates.values():
+            run()
+        return {"graph": 2.0, "eager": 1.0} if kind in eager_steps else {"graph": 1.0, "eager": 2.0}
+
+    mp.setattr(kernel_choice, "_time_step", time_step)
     return mp
 
 
@@ -111,6 +120,34 @@ def test_graph_rows_through_torch_matmul_match_eager(llama, want, tmp_path):
             _check_compiled_run(llm, *want)
     finally:
         mp.undo()
+
+
+@pytest.mark.parametrize("eager_kind", ["decode", "prompt"])
+def test_a_step_kind_timed_faster_eagerly_runs_eagerly(llama, want, tmp_path, eager_kind):
+    """After the warm-up a CPU rank times a prompt and a decode step through their graphs and
+    eagerly (each candidate runs); a kind that timed faster eagerly runs eagerly from then on,
+    the other keeps its graphs, rank_info says which, and the answers are eager's."""
+    mp = _graph_rows_timed(tmp_path, "multiply-and-sum", eager_steps=(eager_kind,))
+    try:
+        with LLM(llama, compile=True, **SETTINGS) as llm:
+            picks = {k.split(" ", 1)[0]: k.split(": ", 1)[1].split(" ", 1)[0]
+                     for k in llm.rank_info()[0].kernels if k.startswith("graph-")}
+            before = len(llm.step_timings())
+            logits, tokens = _run(llm)
+            graphs = {t.graph for t in llm.step_timings()[before:]}
+    finally:
+        mp.undo()
+    assert picks == {"graph-prompt": "eager" if eager_kind == "prompt" else "graph",
+                     "graph-decode": "eager" if eager_kind == "decode" else "graph",
+                     "graph-linear": "multiply-and-sum"}
+    if eager_kind == "decode":
+        assert "layers" in graphs and not any(g.startswith("decode") for g in graphs)
+    else:
+        assert "layers" not in graphs and "decode-4" in graphs
+    want_logits, want_tokens = want
+    for got, expected in zip(logits, want_logits):
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    assert tokens == want_tokens
 
 
 def test_wide_decode_steps_run_the_layers_graph(eager, compiled):

@@ -63,6 +63,9 @@ class CompiledModel:
         self.usable = True  # False once compiling failed here: eager from then on
         self.enabled = True  # off while the tracer watches the eager modules
         self.warm = False  # True once the warm-up has compiled every graph (warm_up)
+        # the step kinds that run their graphs: a CPU rank times each against eager after the
+        # warm-up and keeps the faster (Worker._choose_graph_steps)
+        self.graph_steps = {"prompt": True, "decode": True}
         # torch.compile keeps graphs (and a limit of 8 recompiles) per code object: each kind
         # of graph of each rank gets a code object of its own, so engines of other shapes in
         # this process never push this one's graphs out to eager
@@ -92,13 +95,14 @@ class CompiledModel:
         of at most MATVEC_ROWS tokens run eagerly: with them in its range, the graph's token
         count could not tell its projections which product to take without a guard, and
         such steps (a prompt's last 2 tokens, say) are rare and short."""
-        return self.active and num_tokens > MATVEC_ROWS
+        return self.active and self.graph_steps["prompt"] and num_tokens > MATVEC_ROWS
 
     def decode_bucket(self, num_seqs: int) -> int | None:
         """The padded row count of a decode step of `num_seqs` sequences (None: too many, or
         the graphs are off)."""
         at = bisect.bisect_left(DECODE_BUCKETS, num_seqs)
-        return DECODE_BUCKETS[at] if self.active and at < len(DECODE_BUCKETS) else None
+        usable = self.active and self.graph_steps["decode"] and at < len(DECODE_BUCKETS)
+        return DECODE_BUCKETS[at] if usable else None
 
     def forward(self, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
         """The layers through the prompt graph: (hidden, residual) of every row. The graph gets

@@ -137,7 +137,8 @@ class Pick:
 
     def describe(self) -> str:
         times = ", ".join(f"{k} {s * 1e3:.3g} ms" for k, s in sorted(self.seconds.items()))
-        return (f"{self.op} {'x'.join(map(str, self.shape))} at {self.rows} rows: "
+        what = " ".join(filter(None, (self.op, "x".join(map(str, self.shape)))))
+        return (f"{what} at {self.rows} rows: "
                 f"{self.kernel} ({times}{', kept on disk' if self.from_disk else ''})")
 
 
@@ -232,6 +233,23 @@ class KernelChoice:
         self.picks.append(pick)
         self.graph_rows_call_torch = pick.kernel == "torch"
 
+    def choose_graph_steps(self, steps: dict[str, tuple[int, Callable[[bool], object]]],
+                           rounds: int = 3) -> dict[str, bool]:
+        """compile=True on a CPU: each kind of step ("prompt", "decode": its row count, and a
+        run of one through its compiled graphs (True) or eagerly) timed both ways, alternated;
+        a kind keeps its graphs unless eager is faster by MARGIN. On the AMX Xeon prompts gain
+        from the graphs (their small ops fuse) while a bf16 decode step is faster eagerly,
+        where it reads packed weights. A fixed number of runs (`rounds`), and not kept on disk:
+        it times the whole model, a second or two."""
+        keep = {}
+        for kind, (rows, run) in steps.items():
+            seconds = _time_step(kind, {"graph": partial(run, True),
+                                        "eager": partial(run, False)}, rounds)
+            pick = Pick(f"graph-{kind}", (), rows, "graph", seconds)
+            self.picks.append(pick)
+            keep[kind] = pick.kernel == "graph"
+        return keep
+
     def _choose_decode_copies(self, store: "TimingStore", weights: list[torch.Tensor]) -> None:
         """Time one row against each weight as it is (its 1-row pick) and packed for one row;
         shapes where packed wins get packed copies for decode steps (engine.rank.decode_weights)."""
@@ -272,6 +290,12 @@ def _time_linear(kernels: dict[str, Callable], weight: torch.Tensor, rows: int,
     seconds = fastest({name: (lambda k=k, ws=read[name]: [k(x, w, None) for w in ws])
                        for name, k in kernels.items()})
     return {name: s / len(copies) for name, s in seconds.items()}
+
+
+def _time_step(kind: str, candidates: dict[str, Callable[[], object]],
+               rounds: int) -> dict[str, float]:
+    # exactly `rounds` runs each: a fixed count, whatever the times
+    return fastest(candidates, min_rounds=rounds, min_seconds=0.0, max_rounds=rounds)
 
 
 def _time_in_graph(kernels: dict[str, Callable], weights: list[torch.Tensor]) -> dict[str, float]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import time
+from functools import partial
 
 import torch
 
@@ -31,9 +32,13 @@ from engine.rank.quantized import quantize_model
 from engine.rank.sampler import Sampler, sample_into
 from engine.rank.step_context import DECODE, StepContext, step_mode
 from engine.rank.step_metadata import build_step_metadata
-from engine.rank.warmup import warm_up
+from engine.rank.warmup import warm_up, warm_up_batch
 from parallel.comm import TensorGroup
 from parallel.context import make_groups
+
+# compile=True on a CPU: a prompt of this many tokens, and a decode step after this many, time
+# each kind's graphs against eager (Worker._choose_graph_steps)
+GRAPH_TIMING_TOKENS = 256
 
 
 class Worker:
@@ -83,7 +88,9 @@ class Worker:
                                              plan.block_size, plan.model.vocab_size)
                         if groups is not None else None)
         self._tracer: OpTracer | None = None
-        self.compiled = CompiledModel(self.model, self.decode_model) if plan.compile else None
+        # graphs read decode_dtype copies, never packed ones (oneDNN's opaque layout)
+        self.compiled = (CompiledModel(self.model, self.decode_model if plan.decode_dtype else None)
+                         if plan.compile else None)
         self.warmup_s = self._warm_up()
 
     def _measure_kernels(self) -> float:
@@ -102,7 +109,7 @@ class Worker:
         plan = self.plan
         if plan.decode_dtype is not None:
             return decode_view(self.model, self.tp, plan.decode_dtype, packed=not plan.compile)
-        if self.kernels.packed_decode_shapes and not plan.compile:
+        if self.kernels.packed_decode_shapes:  # eager decode steps (with compile: if faster)
             return decode_view(self.model, self.tp, plan.dtype,
                                shapes=self.kernels.packed_decode_shapes)
         return None, 0
@@ -123,7 +130,29 @@ class Worker:
             self.compiled.capture_decode_graphs(self.cache, self.kv_head_of_q_device,
                                                 plan.max_model_len, self.decode_model is not None)
             seconds += time.perf_counter() - start
+        if (self.compiled is not None and self.compiled.usable and plan.measure_kernels
+                and plan.world_size == plan.cp == 1):
+            start = time.perf_counter()
+            self._choose_graph_steps()
+            self.kernel_choice_s += time.perf_counter() - start
         return seconds
+
+    def _choose_graph_steps(self) -> None:
+        """Time a prompt and a decode step through their graphs and eagerly; each kind keeps
+        the faster (KernelChoice.choose_graph_steps). One rank only: ranks that chose apart
+        would run differently padded rows into the same all-reduce."""
+        plan, compiled = self.plan, self.compiled
+        tokens = min(GRAPH_TIMING_TOKENS, plan.max_num_batched_tokens, plan.max_model_len - 1)
+        context = min(GRAPH_TIMING_TOKENS, plan.max_model_len - 1)
+        batches = {"prompt": warm_up_batch(tokens, 0, 1, plan.block_size),
+                   "decode": warm_up_batch(1, context, 1, plan.block_size)}
+
+        def run(kind: str, graphs: bool) -> None:
+            compiled.graph_steps[kind] = graphs
+            self.execute(batches[kind])
+
+        steps = {kind: (b.num_tokens, partial(run, kind)) for kind, b in batches.items()}
+        compiled.graph_steps.update(self.kernels.choose_graph_steps(steps))
 
     def execute(self, batch: Batch) -> StepResult | None:
         """One step: prepare its context, run the model, then logits, scores and samples.
@@ -171,17 +200,18 @@ class Worker:
         rows = compiled.decode_bucket(batch.num_seqs) if compiled and mode == DECODE else None
         if rows is not None:
             return compiled.decode_context(batch, self.cache, self.kv_head_of_q_device, rows,
-                                           decode_weights)
+                                           decode_weights and self.plan.decode_dtype is not None)
         inputs = {"token_ids": batch.token_ids, "positions": batch.positions,
                   "logits_indices": batch.logits_indices}
         meta = build_step_metadata(batch.cu_seqlens_q, batch.context_lens, batch.block_tables,
                                    batch.slot_mapping, self.kv_head_of_q, self.device,
                                    uniform_groups=self.uniform_groups, inputs=inputs,
                                    block_size=self.cache.block_size)
-        # beside compiled graphs, steps read the model's own weights (compiled for them)
+        # beside decode graphs, steps read the model's own weights (compiled for them)
+        decode_graphs = compiled is not None and compiled.graph_steps["decode"]
         ctx = StepContext(mode, meta.token_ids, meta.positions, meta.logits_indices,
                           self.cache, meta, self.backend.step_ops(meta.is_decode),
-                          decode_weights=decode_weights and compiled is None)
+                          decode_weights=decode_weights and not decode_graphs)
         if self.plan.overlap_comm and self.plan.world_size > 1 and batch.num_tokens >= 2:
             return with_halves(ctx, batch, self.kv_head_of_q, self.uniform_groups)
         if compiled is not None and compiled.runs_layers(batch.num_tokens):
