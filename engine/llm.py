@@ -28,6 +28,7 @@ from engine.loading.gguf_blocks import require_q4_projections
 from engine.loading import weight_digest
 from engine.loading.tokenizer import load_tokenizer
 from engine.plan import RankInfo, make_plan
+from engine.rank.host_memory import keep_freed_memory
 from engine.rank.worker import Worker
 from engine.transfer.exports import ExportTable, is_pinned
 from engine.transfer.handle import KVHandle, model_fingerprint
@@ -52,6 +53,8 @@ class LLM:
         # the core never refers back to this object, so an LLM dropped without shutdown() is
         # collected, and the finalizer releases its actors and placement groups
         connect_if_needed(cfg)
+        if not plan.on_cuda:  # before the step thread that runs in-process ranks is started
+            keep_freed_memory()
         self._core = EngineCore(
             lambda: start_replicas(plan, cfg, ckpt),
             cfg.retry_on_rank_failure, cfg.routing, plan.block_size)

@@ -47,7 +47,7 @@ DECODE_BUCKETS = (1, 2, 4, 8)
 def keep_compiled_code() -> str:
     """Where inductor keeps the code it generates: the engine's cache folder (beside the kernel
     timings, engine.rank.kernel_choice), so a start-up after a reboot or a cleaned /tmp (torch's
-    default) finds its graphs compiled: ~60 s warm against ~4 min cold for SmolLM2 here. A
+    default) finds its graphs compiled: ~14 s warm against ~30 s cold for SmolLM2 here. A
     folder the user or an earlier compile in this process chose is kept."""
     return os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
 
@@ -62,7 +62,9 @@ class CompiledModel:
         keep_compiled_code()
         self.usable = True  # False once compiling failed here: eager from then on
         self.enabled = True  # off while the tracer watches the eager modules
-        self.warm = False  # True once the warm-up has compiled every graph (warm_up)
+        # (rows, decode_weights) of the decode graphs that have run once with every guard
+        # checked, i.e. compiled for every layer (_run_decode)
+        self._decode_ran: set[tuple[int, bool]] = set()
         # the step kinds that run their graphs: a CPU rank times each against eager after the
         # warm-up and keeps the faster (Worker._choose_graph_steps)
         self.graph_steps = {"prompt": True, "decode": True}
@@ -111,7 +113,7 @@ class CompiledModel:
         graph_ctx = dataclasses.replace(ctx, meta=None, ops=LAYERS_GRAPH_OPS)
         # > MATVEC_ROWS rows: the projections stay oneDNN's
         torch._dynamo.mark_dynamic(graph_ctx.positions, 0, min=MATVEC_ROWS + 1, max=2**24)
-        with running(ctx), self._stance(decode=False):
+        with running(ctx):
             return _run_layers(self._layer, self.model, graph_ctx, dynamic_rows=True)
 
     def decode_context(self, batch: Batch, cache: KVCache, kv_head_of_q: torch.Tensor,
@@ -131,22 +133,21 @@ class CompiledModel:
         return replayed if replayed is not None else self._run_decode(ctx)
 
     def _run_decode(self, ctx: StepContext) -> torch.Tensor:
+        """After its first run, a decode graph's layer calls check only the guards that tell
+        its graphs apart (layer 0's from the symbolic index's): a bucket's graphs have static
+        shapes and a fixed weight view, and that first run, through every layer, compiled all
+        of them. The full guards (hundreds: every weight, every context field) cost ~0.16 ms
+        a layer, 12 % of a SmolLM2 decode step on the AMX Xeon."""
         torch._dynamo.mark_dynamic(ctx.meta.block_table, 1)  # one graph for every width
         model = self.decode_model if ctx.decode_weights else self.model
+        rows = len(ctx.token_ids)
+        ran = (rows, ctx.decode_weights) in self._decode_ran
         with torch.no_grad():
-            with self._stance(decode=True):
-                x, residual = _run_layers(self._decode_layer[len(ctx.token_ids)], model, ctx,
+            with torch.compiler.set_stance(skip_guard_eval_unsafe=ran):
+                x, residual = _run_layers(self._decode_layer[rows], model, ctx,
                                           dynamic_rows=False)
-            return self._decode_head[len(ctx.token_ids)](model, x, residual)
-
-    def _stance(self, decode: bool):
-        """How dynamo treats a step's layer calls: once the warm-up has compiled every graph,
-        a decode step's layer calls check only the guards that tell its graphs apart (the
-        layer's index, a weight view's dtype). Each bucket's graphs have static shapes, all
-        were compiled in the warm-up, and nothing else about a decode step's inputs changes;
-        the full guards (hundreds: every weight, every context field) cost ~0.16 ms a layer,
-        12 % of a SmolLM2 decode step on the AMX Xeon."""
-        return torch.compiler.set_stance(skip_guard_eval_unsafe=decode and self.warm)
+            self._decode_ran.add((rows, ctx.decode_weights))
+            return self._decode_head[rows](model, x, residual)
 
 
 def _own_code(fn: Callable, rows: int | None = None) -> Callable:

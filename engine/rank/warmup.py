@@ -15,15 +15,15 @@ RunStep = Callable[[Batch], object]
 
 
 def warm_up(run: RunStep, block_size: int, max_len: int, compiled: CompiledModel | None = None,
-            tuning_steps: Sequence[tuple[int, int]] = ()) -> float:
-    """Run the shapes steps take (prompts, a decode step of every bucket, the autotuner's
-    (tokens per sequence, sequences) steps), all within `max_len` positions; seconds taken.
-    If compiling fails, the rank stays eager."""
+            tuning_steps: Sequence[tuple[int, int]] = (),
+            decode_rows: Sequence[int] = DECODE_BUCKETS) -> float:
+    """Run the shapes steps take (prompts, a decode step of each of `decode_rows` sequences,
+    the autotuner's (tokens per sequence, sequences) steps), all within `max_len` positions;
+    seconds taken. If compiling fails, the rank stays eager."""
     start = time.perf_counter()
     if compiled is not None:
         try:
-            _run_shapes(run, block_size, max_len, DECODE_BUCKETS, tuning_steps)
-            compiled.warm = True
+            _run_shapes(run, block_size, max_len, tuple(decode_rows), tuning_steps)
             return time.perf_counter() - start
         except Exception as e:  # noqa: BLE001  an unsupported setup must not stop the engine
             compiled.usable = False

@@ -18,7 +18,7 @@ from engine.observe.step_timer import StepTimer
 from engine.observe.tracer import OpTracer
 from engine.plan import EnginePlan, RankInfo
 from engine.rank.backend import select_backend
-from engine.rank.compiled import CompiledModel
+from engine.rank.compiled import DECODE_BUCKETS, CompiledModel
 from engine.rank.context_parallel import ContextParallelSteps, context_parallel_backend
 from engine.rank.decode_weights import decode_view
 from engine.rank.host_memory import keep_freed_memory
@@ -123,18 +123,24 @@ class Worker:
         # in is tuned here (under the interpreter it runs one tile: nothing to tune)
         tuning = (tuning_steps(plan.max_num_batched_tokens, plan.max_model_len)
                   if plan.on_cuda and plan.backend == "triton" else ())
+        # a one-rank CPU engine compiles the decode graph of one row, times it against eager,
+        # and compiles the other buckets only if the graphs won (engine.rank.compiled)
+        timed = (self.compiled is not None and plan.measure_kernels
+                 and plan.world_size == plan.cp == 1)
         seconds = warm_up(self.execute, plan.block_size, plan.max_model_len, self.compiled,
-                          tuning)
+                          tuning, DECODE_BUCKETS[:1] if timed else DECODE_BUCKETS)
         if plan.on_cuda and self.compiled is not None and self.compiled.usable:
             start = time.perf_counter()
             self.compiled.capture_decode_graphs(self.cache, self.kv_head_of_q_device,
                                                 plan.max_model_len, self.decode_model is not None)
             seconds += time.perf_counter() - start
-        if (self.compiled is not None and self.compiled.usable and plan.measure_kernels
-                and plan.world_size == plan.cp == 1):
+        if timed and self.compiled.usable:
             start = time.perf_counter()
             self._choose_graph_steps()
             self.kernel_choice_s += time.perf_counter() - start
+            if self.compiled.graph_steps["decode"]:
+                seconds += warm_up(self.execute, plan.block_size, plan.max_model_len,
+                                   self.compiled, (), DECODE_BUCKETS[1:])
         return seconds
 
     def _choose_graph_steps(self) -> None:
