@@ -92,12 +92,15 @@ class CompiledModel:
     def active(self) -> bool:
         return self.usable and self.enabled
 
-    def runs_layers(self, num_tokens: int) -> bool:
-        """Whether a step of `num_tokens` (not a decode graph's) runs the layers graph. Steps
-        of at most MATVEC_ROWS tokens run eagerly: with them in its range, the graph's token
-        count could not tell its projections which product to take without a guard, and
-        such steps (a prompt's last 2 tokens, say) are rare and short."""
-        return self.active and self.graph_steps["prompt"] and num_tokens > MATVEC_ROWS
+    def runs_layers(self, num_tokens: int, decode: bool) -> bool:
+        """Whether a step of `num_tokens` (not a decode graph's) runs the layers graph: a
+        prompt (or mixed) step where prompts keep their graphs, a decode step too wide for the
+        decode graphs where decode steps keep theirs. Steps of at most MATVEC_ROWS tokens run
+        eagerly: with them in its range, the graph's token count could not tell its
+        projections which product to take without a guard, and such steps (a prompt's last 2
+        tokens, say) are rare and short."""
+        kind = "decode" if decode else "prompt"
+        return self.active and self.graph_steps[kind] and num_tokens > MATVEC_ROWS
 
     def decode_bucket(self, num_seqs: int) -> int | None:
         """The padded row count of a decode step of `num_seqs` sequences (None: too many, or

@@ -220,7 +220,7 @@ class Worker:
                           decode_weights=decode_weights and not decode_graphs)
         if self.plan.overlap_comm and self.plan.world_size > 1 and batch.num_tokens >= 2:
             return with_halves(ctx, batch, self.kv_head_of_q, self.uniform_groups)
-        if compiled is not None and compiled.runs_layers(batch.num_tokens):
+        if compiled is not None and compiled.runs_layers(batch.num_tokens, mode == DECODE):
             ctx.graph = "layers"
         return ctx
 
