@@ -47,7 +47,7 @@ DECODE_BUCKETS = (1, 2, 4, 8)
 def keep_compiled_code() -> str:
     """Where inductor keeps the code it generates: the engine's cache folder (beside the kernel
     timings, engine.rank.kernel_choice), so a start-up after a reboot or a cleaned /tmp (torch's
-    default) finds its graphs compiled: ~14 s warm against ~30 s cold for SmolLM2 here. A
+    default) finds its graphs compiled: 12–36 s warm against 18–27 s cold for SmolLM2 here. A
     folder the user or an earlier compile in this process chose is kept."""
     return os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
 
