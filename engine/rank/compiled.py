@@ -14,6 +14,8 @@ Xeon as whole-model graphs (BENCHMARKS.md).
   and its small ops fuse, so a layer is its weight reads plus little else.
 - Any other step of more than MATVEC_ROWS tokens runs the layer graph with a dynamic token
   count; shorter ones (rare) run eagerly. The embedding runs eagerly: one row gather.
+- A one-rank CPU engine times each kind (prompt, decode) through its graphs and eagerly after
+  the warm-up, and runs a kind eagerly where that is faster (`graph_steps`, set by the Worker).
 
 Nothing breaks a graph: the KV store (and, in the prompt graph, attention with it) and the
 all-reduce are registered custom ops (graph_ops, parallel.comm). Compilation (and Triton's,
