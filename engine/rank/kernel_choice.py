@@ -294,7 +294,8 @@ def _time_linear(kernels: dict[str, Callable], weight: torch.Tensor, rows: int,
 
 def _time_step(kind: str, candidates: dict[str, Callable[[], object]],
                rounds: int) -> dict[str, float]:
-    # exactly `rounds` runs each: a fixed count, whatever the times
+    # exactly `rounds` runs each: a fixed count, whatever the times (`kind` names the step
+    # for a stand-in timing: the tests make a given kind win)
     return fastest(candidates, min_rounds=rounds, min_seconds=0.0, max_rounds=rounds)
 
 
