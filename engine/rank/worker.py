@@ -109,7 +109,10 @@ class Worker:
         plan = self.plan
         if plan.decode_dtype is not None:
             return decode_view(self.model, self.tp, plan.decode_dtype, packed=not plan.compile)
-        if self.kernels.packed_decode_shapes:  # eager decode steps (with compile: if faster)
+        # with compile=True only where decode steps may run eagerly: one rank, which times
+        # its decode graphs against them (_choose_graph_steps); more ranks keep the graphs
+        if self.kernels.packed_decode_shapes and (not plan.compile
+                                                  or plan.world_size == plan.cp == 1):
             return decode_view(self.model, self.tp, plan.dtype,
                                shapes=self.kernels.packed_decode_shapes)
         return None, 0
