@@ -146,12 +146,12 @@ class CompiledModel:
         torch._dynamo.mark_dynamic(ctx.meta.block_table, 1)  # one graph for every width
         model = self.decode_model if ctx.decode_weights else self.model
         rows = len(ctx.token_ids)
-        ran = (rows, ctx.decode_weights) in self._decode_ran
+        graphs = (rows, ctx.decode_weights)
         with torch.no_grad():
-            with torch.compiler.set_stance(skip_guard_eval_unsafe=ran):
+            with torch.compiler.set_stance(skip_guard_eval_unsafe=graphs in self._decode_ran):
                 x, residual = _run_layers(self._decode_layer[rows], model, ctx,
                                           dynamic_rows=False)
-            self._decode_ran.add((rows, ctx.decode_weights))
+            self._decode_ran.add(graphs)
             return self._decode_head[rows](model, x, residual)
 
 

@@ -23,7 +23,7 @@ def warm_up(run: RunStep, block_size: int, max_len: int, compiled: CompiledModel
     start = time.perf_counter()
     if compiled is not None:
         try:
-            _run_shapes(run, block_size, max_len, tuple(decode_rows), tuning_steps)
+            _run_shapes(run, block_size, max_len, decode_rows, tuning_steps)
             return time.perf_counter() - start
         except Exception as e:  # noqa: BLE001  an unsupported setup must not stop the engine
             compiled.usable = False
@@ -33,7 +33,7 @@ def warm_up(run: RunStep, block_size: int, max_len: int, compiled: CompiledModel
     return time.perf_counter() - start
 
 
-def _run_shapes(run: RunStep, block_size: int, max_len: int, decode_rows: tuple[int, ...],
+def _run_shapes(run: RunStep, block_size: int, max_len: int, decode_rows: Sequence[int],
                 tuning_steps: Sequence[tuple[int, int]]) -> None:
     """Two prompt lengths, the tuning steps, then a decode step after the longer prompt's
     context, for each of `decode_rows` sequence counts."""

@@ -109,10 +109,9 @@ class Worker:
         plan = self.plan
         if plan.decode_dtype is not None:
             return decode_view(self.model, self.tp, plan.decode_dtype, packed=not plan.compile)
-        # with compile=True only where decode steps may run eagerly: one rank, which times
-        # its decode graphs against them (_choose_graph_steps); more ranks keep the graphs
-        if self.kernels.packed_decode_shapes and (not plan.compile
-                                                  or plan.world_size == plan.cp == 1):
+        # with compile=True only where decode steps may run eagerly: a rank that times its
+        # decode graphs against them (_choose_graph_steps)
+        if self.kernels.packed_decode_shapes and (not plan.compile or self._times_graph_steps):
             return decode_view(self.model, self.tp, plan.dtype,
                                shapes=self.kernels.packed_decode_shapes)
         return None, 0
@@ -128,8 +127,7 @@ class Worker:
                   if plan.on_cuda and plan.backend == "triton" else ())
         # a one-rank CPU engine compiles the decode graph of one row, times it against eager,
         # and compiles the other buckets only if the graphs won (engine.rank.compiled)
-        timed = (self.compiled is not None and plan.measure_kernels
-                 and plan.world_size == plan.cp == 1)
+        timed = self._times_graph_steps
         seconds = warm_up(self.execute, plan.block_size, plan.max_model_len, self.compiled,
                           tuning, DECODE_BUCKETS[:1] if timed else DECODE_BUCKETS)
         if plan.on_cuda and self.compiled is not None and self.compiled.usable:
@@ -146,10 +144,17 @@ class Worker:
                                    self.compiled, (), DECODE_BUCKETS[1:])
         return seconds
 
+    @property
+    def _times_graph_steps(self) -> bool:
+        """compile=True on one CPU rank: each kind of step runs its graphs or eagerly, as timed
+        after the warm-up. One rank only: ranks that chose apart would run differently padded
+        rows into the same all-reduce."""
+        plan = self.plan
+        return plan.compile and plan.measure_kernels and plan.world_size == plan.cp == 1
+
     def _choose_graph_steps(self) -> None:
         """Time a prompt and a decode step through their graphs and eagerly; each kind keeps
-        the faster (KernelChoice.choose_graph_steps). One rank only: ranks that chose apart
-        would run differently padded rows into the same all-reduce."""
+        the faster (KernelChoice.choose_graph_steps)."""
         plan, compiled = self.plan, self.compiled
         tokens = min(GRAPH_TIMING_TOKENS, plan.max_num_batched_tokens, plan.max_model_len - 1)
         context = min(GRAPH_TIMING_TOKENS, plan.max_model_len - 1)
