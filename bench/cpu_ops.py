@@ -110,7 +110,9 @@ def main() -> None:
             r = compiled_decode_rows(rows, args.repeats)
             print(f"{f'float32, {rows} rows':<24} {r['oneDNN op']:>17.1f} "
                   f"{r['multiply-and-sum']:>15.1f} {r['multiply-and-sum'] / r['oneDNN op']:>17.2f}x")
-    if "bfloat16" in args.dtypes:
+    if "bfloat16" in args.dtypes and not gemm.HAVE_ONEDNN_BF16:
+        print("bf16 decode weights: not offered on this CPU (oneDNN builds no bf16 products)")
+    elif "bfloat16" in args.dtypes:
         print(f"{'bf16 decode weights':<24} {'plain GB/s':>17} {'packed GB/s':>15} {'packed / plain':>18}")
         for rows in (1, 4):
             r = packed_decode_rows(rows, args.repeats)

@@ -124,14 +124,16 @@ class EngineConfig:
 
 
 def _check_decode_dtype(cfg: EngineConfig) -> None:
+    from engine.rank import gemm
     _require(cfg.decode_dtype == "bfloat16",
              f"decode_dtype={cfg.decode_dtype!r}: use None (the model's dtype) or 'bfloat16'")
     _require(cfg.device == "cpu" and cfg.torch_dtype == torch.float32,
              f"decode_dtype='bfloat16' with device={cfg.device!r}, dtype={cfg.dtype!r}: it gives "
              f"float32 models on a CPU bf16 decode weights; set dtype='bfloat16' instead")
-    _require(torch.backends.mkldnn.is_available(),
-             "decode_dtype='bfloat16' needs torch's oneDNN (mkldnn), which this torch build "
-             "lacks; unset decode_dtype")
+    _require(gemm.HAVE_ONEDNN_BF16,
+             "decode_dtype='bfloat16' needs oneDNN's bf16 products, which this torch build or "
+             "this CPU lacks (they need AVX512 or AVX-NE-CONVERT; "
+             f"{torch.backends.cpu.get_cpu_capability()} here); unset decode_dtype")
 
 
 WEIGHTS = ("int8", "int4", "gguf")

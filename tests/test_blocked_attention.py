@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from engine.rank.blocked_attention import blocked_causal_attention
+from tests.cpu_features import needs_onednn_bf16
 
 
 def _reference(q, k, v, scale):
@@ -32,6 +33,7 @@ def test_matches_float64(q_len, kv_len, heads, kv_heads, dtype, tol):
     torch.testing.assert_close(out.double(), _reference(q, k, v, 32 ** -0.5), atol=tol, rtol=0)
 
 
+@needs_onednn_bf16
 def test_engine_bf16_prefill_uses_it_and_matches_fp32(tiny_model_dir, monkeypatch):
     """A bf16 engine's prompt logits stay within bf16 error of the float32 engine's, whole and
     after a prefix hit (the chunk attends over cached keys); only the bf16 engine's prompt

@@ -8,6 +8,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.errors import ConfigError
 from engine.loading.synthetic import random_token_ids
+from tests.cpu_features import needs_onednn_bf16
 
 PROMPT = random_token_ids(32, 300, seed=11)  # two whole blocks of 16: both cached after a prefill
 NEXT = 7
@@ -29,6 +30,7 @@ def reference(tiny_model_dir):
         return path, llm.prefill([PROMPT + [NEXT]])[0].logits
 
 
+@needs_onednn_bf16
 @pytest.mark.parametrize("tp,compiled", [(1, False), (2, False), (1, True)])
 def test_single_token_steps_read_bf16_copies(request, reference, tp, compiled, monkeypatch):
     """Eager, and in the compiled decode graph (whose 1-row products stream the bf16 copies
@@ -60,6 +62,7 @@ def test_single_token_steps_read_bf16_copies(request, reference, tp, compiled, m
     assert not torch.equal(got, want)
 
 
+@needs_onednn_bf16
 def test_greedy_decode_runs_and_returns_to_fp32(tiny_model_dir):
     """Decode steps and prompt steps alternate in one generate; the weights swap back after
     every decode step (memory reports and prompts see float32)."""

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.rank import gemm
+from tests.cpu_features import needs_onednn_bf16
 
 
 def _reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -92,6 +93,7 @@ def test_compiled_decode_rows(rows, uses_onednn):
     torch.testing.assert_close(inductor.double(), _reference(x, w, b), rtol=0, atol=1e-5 * 20)
 
 
+@needs_onednn_bf16
 @pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("compiled", [False, True])
 def test_float32_rows_against_bf16_weight(rows, compiled):

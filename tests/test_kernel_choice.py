@@ -16,6 +16,7 @@ from engine.rank import kernel_choice as kc
 from engine.rank.attention import torch_attention
 from engine.rank.kv_cache import KVCache
 from engine.rank.step_metadata import build_step_metadata
+from tests.cpu_features import needs_onednn_bf16
 
 HEADS = (4, 2, 16)  # query heads, KV heads, head dim
 
@@ -146,6 +147,7 @@ def test_engine_reports_its_picks_and_tokens_do_not_change(tiny_model_dir, cache
     assert outs["measure"] == outs["fixed"]
 
 
+@needs_onednn_bf16
 @pytest.mark.parametrize("rows", [1, 3])
 def test_a_packed_bf16_weight_computes_the_product(rows):
     gen = torch.Generator().manual_seed(2)
@@ -157,6 +159,7 @@ def test_a_packed_bf16_weight_computes_the_product(rows):
                                rtol=0, atol=0.12)
 
 
+@needs_onednn_bf16
 def test_only_a_bf16_model_times_packed_decode_copies(cache):
     for dtype, timed in ((torch.float32, False), (torch.bfloat16, True)):
         choice, weights = _measured(dtype)
@@ -171,8 +174,10 @@ def test_the_walkthrough_counts_each_ops_wins(cache):
 
     choice, _ = _measured(torch.bfloat16)
     lines = _kernel_lines(choice.describe())
-    assert [line.split(" ", 1)[0] for line in lines] == ["linear", "attention", "decode-weights"]
-    for line, op in zip(lines, ("linear", "attention", "decode-weights")):
+    # packed decode copies are timed where oneDNN multiplies bf16 (test_without_onednn_bf16_*)
+    ops = ["linear", "attention"] + ["decode-weights"] * gemm.HAVE_ONEDNN_BF16
+    assert [line.split(" ", 1)[0] for line in lines] == ops
+    for line, op in zip(lines, ops):
         picks = [p for p in choice.picks if p.op == op]
         counts = {k: sum(p.kernel == k for p in picks) for k in {p.kernel for p in picks}}
         assert line.endswith(", ".join(f"{k} fastest in {n} of {len(picks)} shape/row cases"
@@ -180,6 +185,7 @@ def test_the_walkthrough_counts_each_ops_wins(cache):
     assert len(_kernel_lines(_measured(torch.float32)[0].describe())) == 2
 
 
+@needs_onednn_bf16
 def test_bf16_decode_reads_packed_copies_where_they_won(tiny_model_dir, cache, monkeypatch):
     """Packed copies made to win the timing: decode steps read them (more bytes held, the
     picks say so) and the tokens are those of the plain weights."""
@@ -218,6 +224,43 @@ def test_bf16_decode_reads_packed_copies_where_they_won(tiny_model_dir, cache, m
     extra = 2 * (layers * per_layer + cfg["vocab_size"] * h)
     assert infos["measure"].weight_bytes - infos["fixed"].weight_bytes == extra
     assert outs["measure"] == outs["fixed"]
+
+
+def test_without_onednn_bf16_a_bf16_model_times_torch_and_float32_products(cache, monkeypatch):
+    """An AVX2-only CPU (oneDNN builds no bf16 products there; patched so on any CPU): a bf16
+    model's projections choose between torch's bf16 GEMM, the built-in, and float32 products;
+    no packed decode copies; prompt attention's built-in is SDPA. Every pick is the product."""
+    monkeypatch.setattr(gemm, "HAVE_ONEDNN_BF16", False)
+    choice, weights = _measured(torch.bfloat16)
+    linears = [p for p in choice.picks if p.op == "linear"]
+    assert linears and all(set(p.seconds) == {"torch", "float32"} and p.built_in == "torch"
+                           for p in linears)
+    assert not [p for p in choice.picks if p.op == "decode-weights"]
+    assert all(p.built_in == "sdpa" for p in choice.picks if p.op == "attention")
+    gen = torch.Generator().manual_seed(4)
+    for rows in (1, 3, 64):
+        x = torch.randn(rows, 32, generator=gen).bfloat16()
+        for w in weights:
+            torch.testing.assert_close(choice.linear(x, w).double(), x.double() @ w.double().t(),
+                                       rtol=0, atol=0.03)
+
+
+def test_without_onednn_bf16_a_bf16_engine_matches_float32(tiny_model_dir, cache, monkeypatch):
+    """A bf16 engine on such a CPU prefills within bf16 error of the float32 engine, with the
+    timed kernels and with the built-in ones, and refuses decode_dtype='bfloat16' with its fix."""
+    monkeypatch.setattr(gemm, "HAVE_ONEDNN_BF16", False)
+    path = str(tiny_model_dir("llama"))
+    prompt = [5, 9, 2, 7, 11, 3, 8, 1] * 8
+    with LLM(path, max_num_batched_tokens=64) as llm:
+        want = llm.prefill([prompt])[0].logits
+    for choice in ("measure", "fixed"):
+        with LLM(path, dtype="bfloat16", kernel_choice=choice, max_num_batched_tokens=64) as llm:
+            got = llm.prefill([prompt])[0].logits
+            [info] = llm.rank_info()
+        assert not [line for line in info.kernels if line.startswith("decode-weights")]
+        torch.testing.assert_close(got.float(), want, rtol=0, atol=0.05 * want.abs().max().item())
+    with pytest.raises(ConfigError, match="unset decode_dtype"):
+        LLM(path, decode_dtype="bfloat16")
 
 
 def test_graph_rows_are_timed_in_compiled_graphs(cache):

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.rank import gemm
 from engine.rank.blocked_attention import blocked_causal_attention
 from engine.rank.kv_cache import KVCache
 from engine.rank.step_context import StepContext
@@ -68,9 +69,11 @@ def sdpa_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sc
 
 def fixed_prompt_kernel(q_len: int, dtype: torch.dtype) -> Callable | None:
     """The prompt attention when none was measured (engine.rank.kernel_choice): blocked bf16
-    matmuls for a bf16 prompt (2.5x torch's CPU flash kernel on an AVX512-BF16 EPYC); None:
-    SDPA."""
-    return blocked_causal_attention if dtype == torch.bfloat16 else None
+    matmuls for a bf16 prompt (2.5x torch's CPU flash kernel on an AVX512-BF16 EPYC) where
+    oneDNN multiplies bf16 (30x slower than SDPA at 2048 tokens on an AVX2-only EPYC, whose
+    bf16 matmuls take torch's slow path); None: SDPA."""
+    return (blocked_causal_attention if dtype == torch.bfloat16 and gemm.HAVE_ONEDNN_BF16
+            else None)
 
 
 def torch_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -16,16 +16,24 @@ import torch.nn.functional as F
 
 from engine.rank.quantized import KERNEL_ROWS, QuantizedWeight
 
-_ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
-# read once: torch.compile cannot trace the query, and a graph would break at every projection
+# read once: torch.compile cannot trace the queries, and a graph would break at every projection
 HAVE_ONEDNN = torch.backends.mkldnn.is_available()
+# oneDNN builds bf16 products only on a CPU with AVX512 (BW, VL, DQ) or AVX-NE-CONVERT; on an
+# AVX2-only one it fails to create them, and torch's own bf16 GEMM there is ~8x slower than
+# float32 for a prompt's rows (engine.rank.kernel_choice times a float32 product instead)
+HAVE_ONEDNN_BF16 = HAVE_ONEDNN and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def onednn_runs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN's inner product runs products of this dtype on this CPU."""
+    return (dtype == torch.float32 and HAVE_ONEDNN) or (dtype == torch.bfloat16
+                                                         and HAVE_ONEDNN_BF16)
 
 
 def _onednn_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     # a strided weight (a column slice) sends oneDNN down a path ~200x slower than F.linear
-    return (weight.device.type == "cpu" and weight.dtype in _ONEDNN_DTYPES
-            and weight.is_contiguous() and x.dtype == weight.dtype and x.dim() == 2
-            and HAVE_ONEDNN)
+    return (weight.device.type == "cpu" and onednn_runs(weight.dtype)
+            and weight.is_contiguous() and x.dtype == weight.dtype and x.dim() == 2)
 
 
 def _low_precision(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -82,7 +90,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight,
             return weight.matmul(x, bias)
         return linear(x, weight.dequantized(), bias)  # a prompt's rows: quantized.KERNEL_ROWS
     if weight.is_mkldnn or (weight.dtype == torch.bfloat16 and x.dtype == torch.float32
-                            and weight.device.type == "cpu" and HAVE_ONEDNN):
+                            and weight.device.type == "cpu" and HAVE_ONEDNN_BF16):
         return _low_precision(x, weight, bias)
     if not _onednn_usable(x, weight):
         return F.linear(x, weight, bias)

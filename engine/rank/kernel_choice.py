@@ -51,16 +51,30 @@ MAX_TIMED_ROWS = 2048
 MARGIN = 1.10
 
 
-def linear_kernels() -> dict[str, Callable]:
+def linear_kernels(dtype: torch.dtype) -> dict[str, Callable]:
     """(x, weight, bias) -> x Wᵀ + b. "torch": F.linear, torch's own CPU GEMM (MKL for float32 on
-    x86); "onednn": oneDNN's inner product, the built-in choice on any CPU (engine.rank.gemm)."""
+    x86); "onednn": oneDNN's inner product, the built-in choice where it runs this dtype
+    (engine.rank.gemm); for bf16, "float32": the product of float32 copies of x and the weight,
+    rounded back (on an AVX2-only CPU 8x torch's bf16 GEMM for 512 rows)."""
     kernels = {"torch": F.linear}
-    if gemm.HAVE_ONEDNN:
+    if gemm.onednn_runs(dtype):
         kernels["onednn"] = gemm.eager_onednn_linear
+    if dtype == torch.bfloat16:
+        kernels["float32"] = float32_linear
     return kernels
 
 
-BUILT_IN_LINEAR = "onednn"  # what engine.rank.gemm runs on a CPU with oneDNN
+def built_in_linear(dtype: torch.dtype) -> str:
+    """The kernel engine.rank.gemm runs for this dtype when nothing was measured."""
+    return "onednn" if gemm.onednn_runs(dtype) else "torch"
+
+
+def float32_linear(x: torch.Tensor, weight: torch.Tensor,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """A low-precision product computed in float32: the weight is widened per call (for a
+    prompt's rows the widening is small beside the product), so no float32 copy is held."""
+    y = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    return y.to(x.dtype)
 
 
 # A bfloat16 model's decode steps may read packed copies of its projection weights (a second
@@ -188,14 +202,14 @@ class KernelChoice:
         """Time every candidate at every (weight shape, row bucket) and (attention, length
         bucket) up to `max_tokens` rows; the LM head's only up to LM_HEAD_ROWS, its rows being
         the sequences that sample (larger ones: the largest timed). Timings of the same machine and shape come from disk."""
-        store, linears = TimingStore.open(), linear_kernels()
+        store, linears = TimingStore.open(), linear_kernels(self.dtype)
         max_tokens = min(max_tokens, MAX_TIMED_ROWS)
         self._top_bucket = row_bucket(max_tokens)
         for shape, weight in one_per_shape(weights).items():
             top = min(LM_HEAD_ROWS, max_tokens) if shape == lm_head_shape else max_tokens
             for bucket in range(row_bucket(top) + 1):
                 rows = min(4 ** bucket, top)
-                pick = store.get_or_time(Pick("linear", shape, rows, BUILT_IN_LINEAR),
+                pick = store.get_or_time(Pick("linear", shape, rows, built_in_linear(self.dtype)),
                                          self.dtype, linears,
                                          lambda: _time_linear(linears, weight, rows))
                 self.picks.append(pick)
@@ -253,7 +267,7 @@ class KernelChoice:
     def _choose_decode_copies(self, store: "TimingStore", weights: list[torch.Tensor]) -> None:
         """Time one row against each weight as it is (its 1-row pick) and packed for one row;
         shapes where packed wins get packed copies for decode steps (engine.rank.decode_weights)."""
-        if self.dtype not in DECODE_COPY_DTYPES or not gemm.HAVE_ONEDNN:
+        if self.dtype not in DECODE_COPY_DTYPES or not gemm.onednn_runs(self.dtype):
             return
         for shape, weight in one_per_shape(weights).items():
             candidates = {"plain": self._linear[(*shape, 0)], "packed": gemm.eager_onednn_linear}
