@@ -27,11 +27,12 @@ def cache(tmp_path, monkeypatch):
     return tmp_path / "kernel_timings.json"
 
 
-def _measured(dtype=torch.float32, max_tokens=64) -> tuple[kc.KernelChoice, list[torch.Tensor]]:
+def _measured(dtype=torch.float32, max_tokens=64,
+              max_context=0) -> tuple[kc.KernelChoice, list[torch.Tensor]]:
     gen = torch.Generator().manual_seed(0)
     weights = [(torch.randn(out, 32, generator=gen) / 6).to(dtype) for out in (48, 64)]
     choice = kc.KernelChoice(dtype)
-    choice.measure(weights, HEADS, max_tokens)
+    choice.measure(weights, HEADS, max_tokens, max_context=max_context)
     return choice, weights
 
 
@@ -64,6 +65,56 @@ def test_every_attention_candidate_is_causal_attention(dtype, tol):
         torch.testing.assert_close(kernel(q, k, v, d ** -0.5).double(), ref, rtol=0, atol=tol)
     torch.testing.assert_close(whole, kc.ATTENTION_KERNELS["blocked"](
         q[:7].double(), k[:7].double(), v[:7].double(), d ** -0.5), rtol=0, atol=1e-9)
+
+
+@pytest.mark.parametrize("kv_heads", [2, 4])  # grouped query heads; one K/V head per query head
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_every_decode_attention_candidate_is_one_querys_attention(kv_heads, dtype, tol):
+    gen = torch.Generator().manual_seed(5)
+    num_q, _, d = HEADS
+    q = torch.randn(1, num_q, d, generator=gen).to(dtype)
+    k, v = (torch.randn(37, kv_heads, d, generator=gen).to(dtype) for _ in range(2))
+    kf, vf = (t.double().repeat_interleave(num_q // kv_heads, dim=1) for t in (k, v))
+    weights = (torch.einsum("qhd,khd->hqk", q.double(), kf) * d ** -0.5).softmax(-1)
+    ref = torch.einsum("hqk,khd->qhd", weights, vf)
+    kernels = kc.decode_attention_kernels(torch.bfloat16)
+    assert set(kernels) == {"sdpa", "float32"} and list(kc.decode_attention_kernels(dtype)) == (
+        ["sdpa", "float32"] if dtype == torch.bfloat16 else ["sdpa"])
+    for name, kernel in kernels.items():
+        out = kernel(q, k, v, d ** -0.5)
+        assert out.dtype == dtype and out.shape == q.shape, name
+        torch.testing.assert_close(out.double(), ref, rtol=0, atol=tol)
+
+
+def _decode_float32_wins(monkeypatch):
+    """The timing says the float32 decode attention is twice as fast as SDPA."""
+    timed = kc._time_attention
+
+    def float32_wins(heads, tokens, dtype, kernels=kc.ATTENTION_KERNELS, queries=None):
+        if queries == 1:
+            return {"sdpa": 2e-3, "float32": 1e-3}
+        return timed(heads, tokens, dtype, kernels, queries)
+
+    monkeypatch.setattr(kc, "_time_attention", float32_wins)
+
+
+def test_only_a_low_precision_model_times_its_decode_attention(cache, monkeypatch):
+    """One pick per context bucket up to the longest context; steps past it take the top
+    bucket's pick; a float32 model has one candidate and times nothing."""
+    float32_model, _ = _measured(torch.float32, max_context=100)
+    assert not [p for p in float32_model.picks if p.op == "decode-attention"]
+    assert float32_model.decode_kernel(50, torch.float32) is None
+    timed, _ = _measured(torch.bfloat16, max_context=100)
+    picks = [p for p in timed.picks if p.op == "decode-attention"]
+    assert [p.rows for p in picks] == [1, 4, 16, 64, 100]
+    assert all(set(p.seconds) == {"sdpa", "float32"} and p.built_in == "sdpa" for p in picks)
+    assert all(p.describe().startswith(f"decode-attention 4x2x16 at {p.rows} keys: ")
+               for p in picks)
+    _decode_float32_wins(monkeypatch)
+    monkeypatch.setenv("PREFILL_ENGINE_CACHE", str(cache.parent / "another"))
+    choice, _ = _measured(torch.bfloat16, max_context=100)
+    for kv_len in (1, 50, 100, 5000):
+        assert choice.decode_kernel(kv_len, torch.bfloat16) is kc.float32_decode_attention
 
 
 def test_the_step_attention_follows_the_pick(cache):
@@ -172,17 +223,44 @@ def test_only_a_bf16_model_times_packed_decode_copies(cache):
 def test_the_walkthrough_counts_each_ops_wins(cache):
     from report.tables import _kernel_lines
 
-    choice, _ = _measured(torch.bfloat16)
+    choice, _ = _measured(torch.bfloat16, max_context=64)
     lines = _kernel_lines(choice.describe())
     # packed decode copies are timed where oneDNN multiplies bf16 (test_without_onednn_bf16_*)
-    ops = ["linear", "attention"] + ["decode-weights"] * gemm.HAVE_ONEDNN_BF16
+    ops = ["linear", "attention", "decode-attention"] + ["decode-weights"] * gemm.HAVE_ONEDNN_BF16
     assert [line.split(" ", 1)[0] for line in lines] == ops
     for line, op in zip(lines, ops):
         picks = [p for p in choice.picks if p.op == op]
         counts = {k: sum(p.kernel == k for p in picks) for k in {p.kernel for p in picks}}
         assert line.endswith(", ".join(f"{k} fastest in {n} of {len(picks)} shape/row cases"
                                        for k, n in sorted(counts.items())))
-    assert len(_kernel_lines(_measured(torch.float32)[0].describe())) == 2
+    assert len(_kernel_lines(_measured(torch.float32, max_context=64)[0].describe())) == 2
+
+
+def test_bf16_decode_steps_run_the_picked_attention(tiny_model_dir, cache, monkeypatch):
+    """The float32 decode attention made to win: every decode step's every layer runs it, and
+    the tokens are those of SDPA's (the built-in choice)."""
+    _decode_float32_wins(monkeypatch)
+    calls = []
+    picked = kc.float32_decode_attention
+    monkeypatch.setattr(kc, "float32_decode_attention",
+                        lambda q, *rest: calls.append(len(q)) or picked(q, *rest))
+    path = str(tiny_model_dir("llama"))
+    layers = json.loads((tiny_model_dir("llama") / "config.json").read_text())["num_hidden_layers"]
+    prompts = [[5, 9, 2, 7, 11, 3, 8, 1] * 3, [4, 4, 6]]
+    outs = {}
+    for choice in ("measure", "fixed"):
+        with LLM(path, dtype="bfloat16", kernel_choice=choice, max_num_batched_tokens=64) as llm:
+            calls.clear()
+            outs[choice] = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=6))]
+            if choice == "measure":
+                [info] = llm.rank_info()
+                assert any(line.startswith("decode-attention") and ": float32 (" in line
+                           for line in info.kernels)
+                # 5 decode steps of 2 sequences, one query each, in every layer
+                assert calls == [1] * (5 * 2 * layers)
+            else:
+                assert calls == []
+    assert outs["measure"] == outs["fixed"]
 
 
 @needs_onednn_bf16

@@ -21,6 +21,8 @@ from engine.rank.step_metadata import StepMetadata
 
 # (q_len, dtype) -> the kernel for a prompt of q_len > 1 tokens, or None for SDPA
 PromptKernel = Callable[[int, torch.dtype], Callable | None]
+# (kv_len, dtype) -> the kernel for one query over kv_len keys (a decode step), or None for SDPA
+DecodeKernel = Callable[[int, torch.dtype], Callable | None]
 
 
 class KVStore(nn.Module):
@@ -76,11 +78,27 @@ def fixed_prompt_kernel(q_len: int, dtype: torch.dtype) -> Callable | None:
             else None)
 
 
+def float32_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                             scale: float) -> torch.Tensor:
+    """One query [1, hq, d] over all of keys/values [kv_len, h, d] (h divides hq), computed on
+    float32 copies: torch's CPU flash kernel takes a slow path for bf16 on a CPU without bf16
+    instructions (a bf16 decode step's attention at ~300 keys: 2-3x this on an AVX2-only
+    EPYC, engine.rank.kernel_choice times both). Each KV head's group of query heads is one
+    batched product, so K/V are read once per group."""
+    heads, group = keys.shape[1], q.shape[1] // keys.shape[1]
+    queries = q[0].float().view(heads, group, -1)  # [h, group, d]
+    scores = torch.bmm(queries, keys.float().permute(1, 2, 0)).mul_(scale)  # [h, group, kv_len]
+    out = torch.bmm(scores.softmax(-1), values.float().transpose(0, 1))  # [h, group, d]
+    return out.view(1, q.shape[1], -1).to(q.dtype)
+
+
 def torch_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     cache: KVCache, meta: StepMetadata, scale: float,
-                    prompt_kernel: PromptKernel = fixed_prompt_kernel) -> torch.Tensor:
+                    prompt_kernel: PromptKernel = fixed_prompt_kernel,
+                    decode_kernel: DecodeKernel | None = None) -> torch.Tensor:
     """q: [T, hq, d], k/v: [T, hkv, d] for the new tokens, already stored in the cache.
-    Returns [T, hq, d]. A CPU prompt of more than one token runs `prompt_kernel`'s pick."""
+    Returns [T, hq, d]. On a CPU a prompt of more than one token runs `prompt_kernel`'s pick,
+    a decode step's one query `decode_kernel`'s (None: SDPA)."""
     out = torch.empty_like(q)
     bounds = meta.cu_seqlens_q
     for i, kv_len in enumerate(meta.context_lens):
@@ -93,8 +111,11 @@ def torch_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         if not meta.uniform_groups:  # uneven groups on this rank: one KV copy per query head
             keys = keys.index_select(1, meta.kv_head_of_q)
             values = values.index_select(1, meta.kv_head_of_q)
-        kernel = (prompt_kernel(e - s, q.dtype) if e - s > 1 and q.device.type == "cpu"
-                  else None)
+        kernel = None
+        if q.device.type == "cpu" and e - s > 1:
+            kernel = prompt_kernel(e - s, q.dtype)
+        elif q.device.type == "cpu" and decode_kernel is not None:
+            kernel = decode_kernel(kv_len, q.dtype)
         if kernel is not None:
             out[s:e] = kernel(q[s:e], keys, values, scale)
         else:

@@ -8,7 +8,8 @@ The built-in choice is always among the candidates, so a CPU where it is fastest
 
 A projection's time depends on its weight's shape and the number of rows: rows are bucketed by
 powers of 4 (1, 2-4, 5-16, ..., 1025-4096, more) and each bucket is timed at its largest row count
-(capped at the step's token budget). A prompt's attention is bucketed the same way by its length.
+(capped at the step's token budget). A prompt's attention is bucketed the same way by its length, a decode step's one query by its
+context length (low-precision models only: float32 has a single candidate).
 Timings are kept on disk per CPU model, torch version, thread count and shape
 (`$PREFILL_ENGINE_CACHE`, else ~/.cache/prefill-engine), so only the first start-up on a machine
 pays for them.
@@ -31,7 +32,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.rank import gemm
-from engine.rank.attention import fixed_prompt_kernel, sdpa_attention, torch_attention
+from engine.rank.attention import (fixed_prompt_kernel, float32_decode_attention,
+                                   sdpa_attention, torch_attention)
 from engine.rank.backend import Backend
 from engine.rank.blocked_attention import blocked_causal_attention
 from parallel.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
@@ -46,6 +48,8 @@ LM_HEAD_ROWS = 64  # above this many logits rows (scoring a prompt) the LM head 
 # the most rows timed: larger steps take the pick of the largest bucket timed (a projection's
 # kernel ranks alike from ~1k rows on, and timing 8k-token attention would take seconds)
 MAX_TIMED_ROWS = 2048
+# the longest context a decode step's attention is timed at; longer ones take its pick
+MAX_TIMED_CONTEXT = 8192
 # another kernel replaces the built-in one only when at least this much faster: timings on a
 # shared machine jitter by more than the gaps between close candidates
 MARGIN = 1.10
@@ -84,12 +88,22 @@ def float32_linear(x: torch.Tensor, weight: torch.Tensor,
 DECODE_COPY_DTYPES = (torch.bfloat16,)
 
 
-def _sdpa_prompt(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     return sdpa_attention(q, k, v, scale, shared_kv=k.shape[1] != q.shape[1])
 
 
 # (q [Tq, hq, d], k/v [Tk, hkv, d], scale) -> [Tq, hq, d]: a prompt's causal attention
-ATTENTION_KERNELS: dict[str, Callable] = {"sdpa": _sdpa_prompt, "blocked": blocked_causal_attention}
+ATTENTION_KERNELS: dict[str, Callable] = {"sdpa": _sdpa, "blocked": blocked_causal_attention}
+
+
+def decode_attention_kernels(dtype: torch.dtype) -> dict[str, Callable]:
+    """(q [1, hq, d], k/v [kv_len, hkv, d], scale) -> [1, hq, d]: a decode step's attention.
+    "sdpa", the built-in; for a low-precision model also "float32", the same attention on
+    widened copies (engine.rank.attention.float32_decode_attention)."""
+    kernels = {"sdpa": _sdpa}
+    if dtype != torch.float32:
+        kernels["float32"] = float32_decode_attention
+    return kernels
 
 
 def projection_weights(model: nn.Module) -> list[torch.Tensor]:
@@ -137,7 +151,7 @@ class Pick:
 
     op: str  # "linear" or "attention"
     shape: tuple[int, ...]  # a weight's (out, in), or attention's (heads, kv heads, head dim)
-    rows: int  # the row count (tokens) timed: the top of its bucket
+    rows: int  # the row count (tokens; keys for decode-attention) timed: the top of its bucket
     built_in: str  # the kernel run without measuring
     seconds: dict[str, float] = field(default_factory=dict)
     from_disk: bool = False
@@ -152,7 +166,8 @@ class Pick:
     def describe(self) -> str:
         times = ", ".join(f"{k} {s * 1e3:.3g} ms" for k, s in sorted(self.seconds.items()))
         what = " ".join(filter(None, (self.op, "x".join(map(str, self.shape)))))
-        return (f"{what} at {self.rows} rows: "
+        unit = "keys" if self.op == "decode-attention" else "rows"
+        return (f"{what} at {self.rows} {unit}: "
                 f"{self.kernel} ({times}{', kept on disk' if self.from_disk else ''})")
 
 
@@ -167,6 +182,8 @@ class KernelChoice:
     _linear: dict[tuple[int, int, int], Callable] = field(default_factory=dict)
     _attention: dict[tuple[torch.dtype, int], Callable] = field(default_factory=dict)
     _top_bucket: int = 0  # the largest bucket timed; more rows take its picks
+    _decode_attention: dict[tuple[torch.dtype, int], Callable] = field(default_factory=dict)
+    _top_context_bucket: int = 0  # the same for a decode step's context length
     # weight shapes whose decode steps read a packed copy (DECODE_COPY_DTYPES); empty: none
     packed_decode_shapes: set[tuple[int, int]] = field(default_factory=set)
     # compile=True: a graph's products of at most gemm.MATVEC_ROWS fixed float32 rows call
@@ -195,13 +212,22 @@ class KernelChoice:
         kernel = self._attention.get((dtype, min(row_bucket(q_len), self._top_bucket)))
         if kernel is None:
             return fixed_prompt_kernel(q_len, dtype)
-        return None if kernel is _sdpa_prompt else kernel
+        return None if kernel is _sdpa else kernel
+
+    def decode_kernel(self, kv_len: int, dtype: torch.dtype) -> Callable | None:
+        """The attention of one query over kv_len keys: None for SDPA, the built-in."""
+        kernel = self._decode_attention.get(
+            (dtype, min(row_bucket(kv_len), self._top_context_bucket)))
+        return None if kernel is _sdpa else kernel
 
     def measure(self, weights: list[torch.Tensor], heads: tuple[int, int, int],
-                max_tokens: int, lm_head_shape: tuple[int, ...] | None = None) -> None:
+                max_tokens: int, lm_head_shape: tuple[int, ...] | None = None,
+                max_context: int = 0) -> None:
         """Time every candidate at every (weight shape, row bucket) and (attention, length
         bucket) up to `max_tokens` rows; the LM head's only up to LM_HEAD_ROWS, its rows being
-        the sequences that sample (larger ones: the largest timed). Timings of the same machine and shape come from disk."""
+        the sequences that sample (larger ones: the largest timed); a decode step's attention
+        at every context bucket up to `max_context` keys. Timings of the same machine and
+        shape come from disk."""
         store, linears = TimingStore.open(), linear_kernels(self.dtype)
         max_tokens = min(max_tokens, MAX_TIMED_ROWS)
         self._top_bucket = row_bucket(max_tokens)
@@ -222,6 +248,7 @@ class KernelChoice:
                                      lambda: _time_attention(heads, rows, self.dtype))
             self.picks.append(pick)
             self._attention[(self.dtype, bucket)] = ATTENTION_KERNELS[pick.kernel]
+        self._choose_decode_attention(store, heads, max_context)
         self._choose_decode_copies(store, weights)
         store.save()
 
@@ -264,6 +291,21 @@ class KernelChoice:
             keep[kind] = pick.kernel == "graph"
         return keep
 
+    def _choose_decode_attention(self, store: "TimingStore", heads: tuple[int, int, int],
+                                 max_context: int) -> None:
+        kernels = decode_attention_kernels(self.dtype)
+        if len(kernels) == 1 or max_context < 1:
+            return
+        top = min(max_context, MAX_TIMED_CONTEXT)
+        self._top_context_bucket = row_bucket(top)
+        for bucket in range(row_bucket(top) + 1):
+            keys = min(4 ** bucket, top)
+            pick = store.get_or_time(Pick("decode-attention", heads, keys, "sdpa"), self.dtype,
+                                     kernels, lambda: _time_attention(heads, keys, self.dtype,
+                                                                      kernels, queries=1))
+            self.picks.append(pick)
+            self._decode_attention[(self.dtype, bucket)] = kernels[pick.kernel]
+
     def _choose_decode_copies(self, store: "TimingStore", weights: list[torch.Tensor]) -> None:
         """Time one row against each weight as it is (its 1-row pick) and packed for one row;
         shapes where packed wins get packed copies for decode steps (engine.rank.decode_weights)."""
@@ -279,13 +321,14 @@ class KernelChoice:
                 self.packed_decode_shapes.add(shape)
 
     def applied_to(self, backend: Backend) -> Backend:
-        """`backend` with its projections, and the torch backend's prompt attention, asking this
-        choice first."""
+        """`backend` with its projections, and the torch backend's attention (prompt and decode
+        steps), asking this choice first."""
         if backend.attention is not torch_attention:  # Triton's own attention
             return dataclasses.replace(backend, linear=self.linear)
-        return dataclasses.replace(backend, linear=self.linear,
-                                   attention=partial(torch_attention,
-                                                     prompt_kernel=self.prompt_kernel))
+        chosen = partial(torch_attention, prompt_kernel=self.prompt_kernel,
+                         decode_kernel=self.decode_kernel)
+        return dataclasses.replace(backend, linear=self.linear, attention=chosen,
+                                   decode_attention=chosen)
 
     def describe(self) -> list[str]:
         return [p.describe() for p in self.picks]
@@ -326,13 +369,15 @@ def _time_in_graph(kernels: dict[str, Callable], weights: list[torch.Tensor]) ->
     return fastest(graphs)
 
 
-def _time_attention(heads: tuple[int, int, int], tokens: int,
-                    dtype: torch.dtype) -> dict[str, float]:
+def _time_attention(heads: tuple[int, int, int], tokens: int, dtype: torch.dtype,
+                    kernels: dict[str, Callable] = ATTENTION_KERNELS,
+                    queries: int | None = None) -> dict[str, float]:
+    """`queries` of `tokens` keys (all of them: a whole prompt's causal attention)."""
     num_q, num_kv, head_dim = heads
-    q = torch.randn(tokens, num_q, head_dim, dtype=dtype)
+    q = torch.randn(queries or tokens, num_q, head_dim, dtype=dtype)
     k, v = (torch.randn(tokens, num_kv, head_dim, dtype=dtype) for _ in range(2))
     return fastest({name: (lambda a=a: a(q, k, v, head_dim ** -0.5))
-                    for name, a in ATTENTION_KERNELS.items()}, min_rounds=3)
+                    for name, a in kernels.items()}, min_rounds=3)
 
 
 def machine_key() -> str:

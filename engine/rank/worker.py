@@ -98,7 +98,8 @@ class Worker:
         self.kernels.measure(projection_weights(self.model),
                              (heads.num_q_heads, heads.num_kv_heads, self.plan.model.head_dim),
                              self.plan.max_num_batched_tokens,
-                             lm_head_shape=tuple(self.model.lm_head.weight.shape))
+                             lm_head_shape=tuple(self.model.lm_head.weight.shape),
+                             max_context=self.plan.max_model_len)
         if self.plan.compile:
             self.kernels.choose_graph_rows(projection_weights(self.model))
         return time.perf_counter() - started
