@@ -8,8 +8,9 @@ The built-in choice is always among the candidates, so a CPU where it is fastest
 
 A projection's time depends on its weight's shape and the number of rows: rows are bucketed by
 powers of 4 (1, 2-4, 5-16, ..., 1025-4096, more) and each bucket is timed at its largest row count
-(capped at the step's token budget). A prompt's attention is bucketed the same way by its length, a decode step's one query by its
-context length (low-precision models only: float32 has a single candidate).
+(capped at the step's token budget). A prompt's attention is bucketed the same way by its
+length, and a decode step's one query by its context length (low-precision models only: a
+float32 model has one candidate there).
 Timings are kept on disk per CPU model, torch version, thread count and shape
 (`$PREFILL_ENGINE_CACHE`, else ~/.cache/prefill-engine), so only the first start-up on a machine
 pays for them.
@@ -149,7 +150,7 @@ def fastest(candidates: dict[str, Callable[[], object]], min_rounds: int = 5,
 class Pick:
     """One decision: the op, the shape it covers, each candidate's time, and the winner."""
 
-    op: str  # "linear" or "attention"
+    op: str  # "linear", "attention", "decode-attention", "decode-weights", "graph-..."
     shape: tuple[int, ...]  # a weight's (out, in), or attention's (heads, kv heads, head dim)
     rows: int  # the row count (tokens; keys for decode-attention) timed: the top of its bucket
     built_in: str  # the kernel run without measuring
