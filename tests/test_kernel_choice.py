@@ -48,6 +48,26 @@ def test_every_pick_computes_the_product(cache, rows, dtype, tol):
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+def test_every_linear_candidate_computes_the_product(dtype, tol):
+    """Every candidate, picked or not, with and without a bias; the matrix-vector product is a
+    candidate for one row only, and given more rows it still computes their product."""
+    gen = torch.Generator().manual_seed(1)
+    w = (torch.randn(48, 32, generator=gen) / 6).to(dtype)
+    bias = torch.randn(48, generator=gen).to(dtype)
+    assert "mv" in kc.linear_kernels(dtype, 1)
+    assert all("mv" not in kc.linear_kernels(dtype, rows) for rows in (2, 4, 64))
+    for rows, kernels in ((1, kc.linear_kernels(dtype, 1)), (3, kc.linear_kernels(dtype, 3)),
+                          (3, {"mv": kc.matrix_vector_linear})):
+        x = torch.randn(rows, 32, generator=gen).to(dtype)
+        for name, kernel in kernels.items():
+            for b in (bias, None):
+                ref = x.double() @ w.double().t() + (0 if b is None else b.double())
+                got = kernel(x, w, b)
+                assert got.shape == (rows, 48) and got.dtype == dtype, name
+                torch.testing.assert_close(got.double(), ref, rtol=0, atol=tol * 4)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
 def test_every_attention_candidate_is_causal_attention(dtype, tol):
     """Each candidate, whole prompt or a chunk after a cached prefix, against the softmax formula."""
     gen = torch.Generator().manual_seed(1)
@@ -263,6 +283,42 @@ def test_bf16_decode_steps_run_the_picked_attention(tiny_model_dir, cache, monke
     assert outs["measure"] == outs["fixed"]
 
 
+def test_one_row_steps_run_the_picked_matrix_vector_product(tiny_model_dir, cache, monkeypatch):
+    """The matrix-vector product made to win every one-row bucket: each decode step of one
+    sequence runs it for every projection and the LM head, prompts never, and the tokens are
+    those of the built-in kernels."""
+    timed = kc._time_linear
+
+    def mv_wins(kernels, weight, rows, prepare=None):
+        if "mv" in kernels:
+            return {name: 1e-3 if name == "mv" else 2e-3 for name in kernels}
+        return timed(kernels, weight, rows, prepare)
+
+    monkeypatch.setattr(kc, "_time_linear", mv_wins)
+    calls = []
+    picked = kc.matrix_vector_linear
+    monkeypatch.setattr(kc, "matrix_vector_linear",
+                        lambda x, *rest: calls.append(len(x)) or picked(x, *rest))
+    path = str(tiny_model_dir("llama"))
+    layers = json.loads((tiny_model_dir("llama") / "config.json").read_text())["num_hidden_layers"]
+    outs = {}
+    for choice in ("measure", "fixed"):
+        with LLM(path, kernel_choice=choice, max_num_batched_tokens=64) as llm:
+            calls.clear()
+            [out] = llm.generate([[5, 9, 2, 7, 11, 3, 8, 1] * 3], SamplingParams(max_tokens=6))
+            outs[choice] = out.token_ids
+            if choice == "measure":
+                [info] = llm.rank_info()
+                assert any(line.startswith("linear") and " at 1 rows: mv (" in line
+                           for line in info.kernels)
+                # the prompt step's one sampled row through the LM head, then 5 decode steps of
+                # q/k/v, o, gate/up and down in every layer plus the LM head
+                assert calls == [1] * (1 + 5 * (4 * layers + 1))
+            else:
+                assert calls == []
+    assert outs["measure"] == outs["fixed"]
+
+
 @needs_onednn_bf16
 def test_bf16_decode_reads_packed_copies_where_they_won(tiny_model_dir, cache, monkeypatch):
     """Packed copies made to win the timing: decode steps read them (more bytes held, the
@@ -311,8 +367,8 @@ def test_without_onednn_bf16_a_bf16_model_times_torch_and_float32_products(cache
     monkeypatch.setattr(gemm, "HAVE_ONEDNN_BF16", False)
     choice, weights = _measured(torch.bfloat16)
     linears = [p for p in choice.picks if p.op == "linear"]
-    assert linears and all(set(p.seconds) == {"torch", "float32"} and p.built_in == "torch"
-                           for p in linears)
+    assert linears and all(set(p.seconds) == {"torch", "float32", *["mv"] * (p.rows == 1)}
+                           and p.built_in == "torch" for p in linears)
     assert not [p for p in choice.picks if p.op == "decode-weights"]
     assert all(p.built_in == "sdpa" for p in choice.picks if p.op == "attention")
     gen = torch.Generator().manual_seed(4)

@@ -19,14 +19,37 @@ def rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
 def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
          sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q [T, h, d] and k [T, hkv, d] by their positions (rotate-half layout); cos/sin are
-    [max_positions, d/2] float32 tables."""
+    [max_positions, d/2] float32 tables. q and k side by side in one buffer (the QKV
+    projection's output) are rotated in one pass: half the small ops of a decode step's RoPE."""
     c, s = cos.index_select(0, positions).unsqueeze(1), sin.index_select(0, positions).unsqueeze(1)
+    both = _side_by_side(q, k)
+    if both is None:
+        return _rotated(q, c, s), _rotated(k, c, s)
+    out = _rotated(both, c, s)
+    return out[:, :q.shape[1]], out[:, q.shape[1]:]
 
-    def rotate(x: torch.Tensor) -> torch.Tensor:
-        x1, x2 = x.float().chunk(2, dim=-1)
-        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
 
-    return rotate(q), rotate(k)
+def _side_by_side(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    """[T, h + hkv, d]: q's heads then k's, when k's begin where q's end in every row of the
+    tensor both are views of; else None."""
+    heads_dim = (q.shape[2], 1)
+    if (torch.compiler.is_compiling() or q._base is None or q._base is not k._base
+            or q.stride()[1:] != heads_dim or k.stride()[1:] != heads_dim
+            or (len(q) > 1 and q.stride(0) != k.stride(0))  # one row: no row stride to match
+            or k.storage_offset() != q.storage_offset() + q.shape[1] * q.shape[2]):
+        return None  # a graph fuses the two passes itself
+    return q.as_strided((q.shape[0], q.shape[1] + k.shape[1], q.shape[2]), q.stride())
+
+
+def _rotated(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """(x1, x2) -> (x1 c - x2 s, x2 c + x1 s) in float32, each half written straight into the
+    output (no concatenation), rounded back to x's dtype."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    out1, out2 = out.chunk(2, dim=-1)
+    torch.mul(x1, c, out=out1).sub_(x2 * s)
+    torch.mul(x2, c, out=out2).add_(x1 * s)
+    return out.to(x.dtype)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
