@@ -256,37 +256,43 @@ def test_the_walkthrough_counts_each_ops_wins(cache):
     assert len(_kernel_lines(_measured(torch.float32, max_context=64)[0].describe())) == 2
 
 
+def _calls_of_the_pick(monkeypatch, tiny_model_dir, kernel: str, prompts: list[list[int]],
+                       **settings) -> tuple[dict, dict, list[str], int]:
+    """`prompts` (6 greedy tokens each) with the timed choice and with the fixed one, counting
+    the rows of every call of kc.<kernel>: (rows of each call, tokens: both per choice; the
+    timed choice's kernel lines; the model's layer count)."""
+    picked, rows = getattr(kc, kernel), []
+    monkeypatch.setattr(kc, kernel, lambda x, *rest: rows.append(len(x)) or picked(x, *rest))
+    path = tiny_model_dir("llama")
+    layers = json.loads((path / "config.json").read_text())["num_hidden_layers"]
+    calls, outs = {}, {}
+    for choice in ("measure", "fixed"):
+        with LLM(str(path), kernel_choice=choice, max_num_batched_tokens=64, **settings) as llm:
+            rows.clear()
+            outs[choice] = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=6))]
+            calls[choice] = list(rows)
+            if choice == "measure":
+                [info] = llm.rank_info()
+    return calls, outs, info.kernels, layers
+
+
 def test_bf16_decode_steps_run_the_picked_attention(tiny_model_dir, cache, monkeypatch):
     """The float32 decode attention made to win: every decode step's every layer runs it, and
     the tokens are those of SDPA's (the built-in choice)."""
     _decode_float32_wins(monkeypatch)
-    calls = []
-    picked = kc.float32_decode_attention
-    monkeypatch.setattr(kc, "float32_decode_attention",
-                        lambda q, *rest: calls.append(len(q)) or picked(q, *rest))
-    path = str(tiny_model_dir("llama"))
-    layers = json.loads((tiny_model_dir("llama") / "config.json").read_text())["num_hidden_layers"]
-    prompts = [[5, 9, 2, 7, 11, 3, 8, 1] * 3, [4, 4, 6]]
-    outs = {}
-    for choice in ("measure", "fixed"):
-        with LLM(path, dtype="bfloat16", kernel_choice=choice, max_num_batched_tokens=64) as llm:
-            calls.clear()
-            outs[choice] = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=6))]
-            if choice == "measure":
-                [info] = llm.rank_info()
-                assert any(line.startswith("decode-attention") and ": float32 (" in line
-                           for line in info.kernels)
-                # 5 decode steps of 2 sequences, one query each, in every layer
-                assert calls == [1] * (5 * 2 * layers)
-            else:
-                assert calls == []
+    calls, outs, kernels, layers = _calls_of_the_pick(
+        monkeypatch, tiny_model_dir, "float32_decode_attention",
+        [[5, 9, 2, 7, 11, 3, 8, 1] * 3, [4, 4, 6]], dtype="bfloat16")
+    assert any(line.startswith("decode-attention") and ": float32 (" in line for line in kernels)
+    # 5 decode steps of 2 sequences, one query each, in every layer
+    assert calls == {"measure": [1] * (5 * 2 * layers), "fixed": []}
     assert outs["measure"] == outs["fixed"]
 
 
 def test_one_row_steps_run_the_picked_matrix_vector_product(tiny_model_dir, cache, monkeypatch):
     """The matrix-vector product made to win every one-row bucket: each decode step of one
-    sequence runs it for every projection and the LM head, prompts never, and the tokens are
-    those of the built-in kernels."""
+    sequence runs it for every projection and the LM head, and the tokens are those of the
+    built-in kernels."""
     timed = kc._time_linear
 
     def mv_wins(kernels, weight, rows, prepare=None):
@@ -295,27 +301,12 @@ def test_one_row_steps_run_the_picked_matrix_vector_product(tiny_model_dir, cach
         return timed(kernels, weight, rows, prepare)
 
     monkeypatch.setattr(kc, "_time_linear", mv_wins)
-    calls = []
-    picked = kc.matrix_vector_linear
-    monkeypatch.setattr(kc, "matrix_vector_linear",
-                        lambda x, *rest: calls.append(len(x)) or picked(x, *rest))
-    path = str(tiny_model_dir("llama"))
-    layers = json.loads((tiny_model_dir("llama") / "config.json").read_text())["num_hidden_layers"]
-    outs = {}
-    for choice in ("measure", "fixed"):
-        with LLM(path, kernel_choice=choice, max_num_batched_tokens=64) as llm:
-            calls.clear()
-            [out] = llm.generate([[5, 9, 2, 7, 11, 3, 8, 1] * 3], SamplingParams(max_tokens=6))
-            outs[choice] = out.token_ids
-            if choice == "measure":
-                [info] = llm.rank_info()
-                assert any(line.startswith("linear") and " at 1 rows: mv (" in line
-                           for line in info.kernels)
-                # the prompt step's one sampled row through the LM head, then 5 decode steps of
-                # q/k/v, o, gate/up and down in every layer plus the LM head
-                assert calls == [1] * (1 + 5 * (4 * layers + 1))
-            else:
-                assert calls == []
+    calls, outs, kernels, layers = _calls_of_the_pick(
+        monkeypatch, tiny_model_dir, "matrix_vector_linear", [[5, 9, 2, 7, 11, 3, 8, 1] * 3])
+    assert any(line.startswith("linear") and " at 1 rows: mv (" in line for line in kernels)
+    # the prompt step's one sampled row through the LM head, then 5 decode steps of q/k/v, o,
+    # gate/up and down in every layer plus the LM head
+    assert calls == {"measure": [1] * (1 + 5 * (4 * layers + 1)), "fixed": []}
     assert outs["measure"] == outs["fixed"]
 
 
