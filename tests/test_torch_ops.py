@@ -3,9 +3,12 @@ multiplication, whether q and k sit side by side in the QKV projection's output 
 both) or apart."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
+from engine import LLM, SamplingParams
 from engine.rank import ops
 
 HQ, HKV, D = 6, 2, 16
@@ -29,7 +32,13 @@ def _by_complex(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("rows", [1, 5])
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
-def test_rope_side_by_side_and_apart_is_the_rotation(rows, dtype, atol):
+@pytest.mark.parametrize("inference", [True, False])  # the engine's steps run in inference mode
+def test_rope_side_by_side_and_apart_is_the_rotation(rows, dtype, atol, inference):
+    with torch.inference_mode(inference):
+        _check_rope(rows, dtype, atol)
+
+
+def _check_rope(rows: int, dtype: torch.dtype, atol: float) -> None:
     gen = torch.Generator().manual_seed(0)
     cos, sin = _tables(512)
     positions = torch.randint(0, 512, (rows,), generator=gen)
@@ -41,8 +50,31 @@ def test_rope_side_by_side_and_apart_is_the_rotation(rows, dtype, atol):
     apart = ops.rope(positions, q.clone(), k.clone(), cos, sin)  # copies: one tensor each
     assert ops._side_by_side(q.clone(), k) is None and ops._side_by_side(k, q) is None
     assert ops._side_by_side(v, k) is None
+    assert ops._side_by_side(q[:-1], k[:-1]) is not None and ops._side_by_side(q[1:], k) is None
+    elsewhere = qkv.clone()[:, HQ * D:(HQ + HKV) * D].view(rows, HKV, D)  # k's place, another tensor
+    assert elsewhere.storage_offset() == k.storage_offset() and ops._side_by_side(q, elsewhere) is None
     assert torch.equal(qkv, before)  # the inputs are read, never written
     for got, other, x in zip(one_pass, apart, (q, k)):
         assert got.shape == x.shape and got.dtype == dtype
         assert torch.equal(got, other)  # the same roundings either way
         torch.testing.assert_close(got.double(), _by_complex(x, positions), rtol=0, atol=atol)
+
+
+def test_an_engine_step_rotates_q_and_k_in_one_pass(tiny_model_dir, monkeypatch):
+    """In the engine's own steps (inference mode, the QKV projection's output) every layer's
+    RoPE is one rotation over q's and k's heads together, and the tokens are those of the
+    rotation done apart."""
+    cfg = json.loads((tiny_model_dir("llama") / "config.json").read_text())
+    heads = cfg["num_attention_heads"] + cfg["num_key_value_heads"]
+    rotated, rotate = [], ops._rotated
+    monkeypatch.setattr(ops, "_rotated", lambda x, c, s: rotated.append(x.shape[1]) or rotate(x, c, s))
+    prompts, params = [[5, 9, 2, 7, 11, 3, 8, 1] * 3, [4, 4, 6]], SamplingParams(max_tokens=4)
+    with LLM(str(tiny_model_dir("llama")), kernel_choice="fixed") as llm:
+        one_pass = [o.token_ids for o in llm.generate(prompts, params)]
+        # a prompt step, then 3 decode steps, each through every layer once
+        assert rotated == [heads] * (4 * cfg["num_hidden_layers"])
+        monkeypatch.setattr(ops, "_side_by_side", lambda q, k: None)
+        rotated.clear()
+        apart = [o.token_ids for o in llm.generate(prompts, params)]
+        assert set(rotated) == {cfg["num_attention_heads"], cfg["num_key_value_heads"]}
+    assert one_pass == apart

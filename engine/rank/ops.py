@@ -30,10 +30,12 @@ def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.T
 
 
 def _side_by_side(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
-    """[T, h + hkv, d]: q's heads then k's, when k's begin where q's end in every row of the
-    tensor both are views of; else None."""
+    """[T, h + hkv, d]: q's heads then k's, when both are views of one tensor and k's begin
+    where q's end in every row; else None."""
     heads_dim = (q.shape[2], 1)
-    if (torch.compiler.is_compiling() or q._base is None or q._base is not k._base
+    if (torch.compiler.is_compiling() or len(q) != len(k) or q.shape[2] != k.shape[2]
+            # one storage (inference-mode views keep no `_base`; _cdata tells fake ones apart)
+            or q.untyped_storage()._cdata != k.untyped_storage()._cdata
             or q.stride()[1:] != heads_dim or k.stride()[1:] != heads_dim
             or (len(q) > 1 and q.stride(0) != k.stride(0))  # one row: no row stride to match
             or k.storage_offset() != q.storage_offset() + q.shape[1] * q.shape[2]):
