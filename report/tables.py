@@ -81,7 +81,7 @@ def _kernel_lines(picks: list[str]) -> list[str]:
     if not picks:
         return ["kernels: the built-in choice (kernel_choice='fixed', or not a CPU)"]
     lines = []
-    # decode-attention, decode-weights: bf16 models only; graph-linear: compile=True, float32
+    # decode-weights: bf16 models only; graph-linear: compile=True, float32
     # only; graph-prompt / graph-decode: compile=True, one rank
     for op in ("linear", "attention", "decode-attention", "decode-weights", "graph-linear",
                "graph-prompt", "graph-decode"):

@@ -97,9 +97,8 @@ def test_every_decode_attention_candidate_is_one_querys_attention(kv_heads, dtyp
     kf, vf = (t.double().repeat_interleave(num_q // kv_heads, dim=1) for t in (k, v))
     weights = (torch.einsum("qhd,khd->hqk", q.double(), kf) * d ** -0.5).softmax(-1)
     ref = torch.einsum("hqk,khd->qhd", weights, vf)
-    kernels = kc.decode_attention_kernels(torch.bfloat16)
-    assert set(kernels) == {"sdpa", "float32"} and list(kc.decode_attention_kernels(dtype)) == (
-        ["sdpa", "float32"] if dtype == torch.bfloat16 else ["sdpa"])
+    kernels = kc.decode_attention_kernels(dtype)
+    assert list(kernels) == ["sdpa", "float32"]
     for name, kernel in kernels.items():
         out = kernel(q, k, v, d ** -0.5)
         assert out.dtype == dtype and out.shape == q.shape, name
@@ -118,13 +117,14 @@ def _decode_float32_wins(monkeypatch):
     monkeypatch.setattr(kc, "_time_attention", float32_wins)
 
 
-def test_only_a_low_precision_model_times_its_decode_attention(cache, monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_is_timed_per_context_bucket(cache, monkeypatch, dtype):
     """One pick per context bucket up to the longest context; steps past it take the top
-    bucket's pick; a float32 model has one candidate and times nothing."""
-    float32_model, _ = _measured(torch.float32, max_context=100)
-    assert not [p for p in float32_model.picks if p.op == "decode-attention"]
-    assert float32_model.decode_kernel(50, torch.float32) is None
-    timed, _ = _measured(torch.bfloat16, max_context=100)
+    bucket's pick; nothing is timed without a context."""
+    untimed, _ = _measured(dtype, max_context=0)
+    assert not [p for p in untimed.picks if p.op == "decode-attention"]
+    assert untimed.decode_kernel(50, dtype) is None
+    timed, _ = _measured(dtype, max_context=100)
     picks = [p for p in timed.picks if p.op == "decode-attention"]
     assert [p.rows for p in picks] == [1, 4, 16, 64, 100]
     assert all(set(p.seconds) == {"sdpa", "float32"} and p.built_in == "sdpa" for p in picks)
@@ -132,9 +132,9 @@ def test_only_a_low_precision_model_times_its_decode_attention(cache, monkeypatc
                for p in picks)
     _decode_float32_wins(monkeypatch)
     monkeypatch.setenv("PREFILL_ENGINE_CACHE", str(cache.parent / "another"))
-    choice, _ = _measured(torch.bfloat16, max_context=100)
+    choice, _ = _measured(dtype, max_context=100)
     for kv_len in (1, 50, 100, 5000):
-        assert choice.decode_kernel(kv_len, torch.bfloat16) is kc.float32_decode_attention
+        assert choice.decode_kernel(kv_len, dtype) is kc.float32_decode_attention
 
 
 def test_the_step_attention_follows_the_pick(cache):
@@ -253,7 +253,7 @@ def test_the_walkthrough_counts_each_ops_wins(cache):
         counts = {k: sum(p.kernel == k for p in picks) for k in {p.kernel for p in picks}}
         assert line.endswith(", ".join(f"{k} fastest in {n} of {len(picks)} shape/row cases"
                                        for k, n in sorted(counts.items())))
-    assert len(_kernel_lines(_measured(torch.float32, max_context=64)[0].describe())) == 2
+    assert len(_kernel_lines(_measured(torch.float32, max_context=64)[0].describe())) == 3
 
 
 def _calls_of_the_pick(monkeypatch, tiny_model_dir, kernel: str, prompts: list[list[int]],
@@ -276,13 +276,14 @@ def _calls_of_the_pick(monkeypatch, tiny_model_dir, kernel: str, prompts: list[l
     return calls, outs, info.kernels, layers
 
 
-def test_bf16_decode_steps_run_the_picked_attention(tiny_model_dir, cache, monkeypatch):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decode_steps_run_the_picked_attention(tiny_model_dir, cache, monkeypatch, dtype):
     """The float32 decode attention made to win: every decode step's every layer runs it, and
     the tokens are those of SDPA's (the built-in choice)."""
     _decode_float32_wins(monkeypatch)
     calls, outs, kernels, layers = _calls_of_the_pick(
         monkeypatch, tiny_model_dir, "float32_decode_attention",
-        [[5, 9, 2, 7, 11, 3, 8, 1] * 3, [4, 4, 6]], dtype="bfloat16")
+        [[5, 9, 2, 7, 11, 3, 8, 1] * 3, [4, 4, 6]], dtype=dtype)
     assert any(line.startswith("decode-attention") and ": float32 (" in line for line in kernels)
     # 5 decode steps of 2 sequences, one query each, in every layer
     assert calls == {"measure": [1] * (5 * 2 * layers), "fixed": []}

@@ -83,8 +83,9 @@ def float32_decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.
     """One query [1, hq, d] over all of keys/values [kv_len, h, d] (h divides hq), computed on
     float32 copies: torch's CPU flash kernel takes a slow path for one bf16 query on a CPU
     without bf16 instructions (1.3x this at 256 keys and 3.4x at 8192 on an AVX2-only EPYC,
-    as engine.rank.kernel_choice timed both there). Each KV head's group of query heads is
-    one batched product, so K/V are read once per group."""
+    as engine.rank.kernel_choice timed both there); a float32 model's K/V are used as they
+    are. Each KV head's group of query heads is one batched product, so K/V are read once
+    per group."""
     heads, group = keys.shape[1], q.shape[1] // keys.shape[1]
     queries = q[0].float().view(heads, group, -1)  # [h, group, d]
     scores = torch.bmm(queries, keys.float().permute(1, 2, 0)).mul_(scale)  # [h, group, kv_len]

@@ -44,9 +44,12 @@ def _side_by_side(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
 
 
 def _rotated(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """(x1, x2) -> (x1 c - x2 s, x2 c + x1 s) in float32, each half written straight into the
-    output (no concatenation), rounded back to x's dtype."""
+    """(x1, x2) -> (x1 c - x2 s, x2 c + x1 s) in float32, rounded back to x's dtype. Eagerly
+    each half is written straight into the output (no concatenation); a compiled graph, which
+    takes no `out=` views, fuses the concatenation into its loop."""
     x1, x2 = x.float().chunk(2, dim=-1)
+    if torch.compiler.is_compiling():
+        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
     out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
     out1, out2 = out.chunk(2, dim=-1)
     torch.mul(x1, c, out=out1).sub_(x2 * s)
