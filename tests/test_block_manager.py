@@ -246,8 +246,8 @@ def test_tail_block_is_evicted_before_head_block():
     bm = BlockManager(3, BS)
     first = cache_prompt(bm, range(8))  # blocks 0, 1; freed tail first: free order 2, 1, 0
     assert first == [0, 1]
-    x = seq(range(100, 108))  # takes 2, then 1 (the tail of the cached prompt)
-    assert bm.allocate(x) and x.block_table == [2, 1]
+    x = seq(range(100, 108))  # takes 2 and 1 (the tail of the cached prompt), in ascending order
+    assert bm.allocate(x) and x.block_table == [1, 2]
     bm.free(x)
     s = seq(list(range(8)) + [9])
     assert bm.allocate(s)
@@ -352,3 +352,51 @@ def test_prefix_caching_off_never_reports_cached_tokens():
     assert s.num_cached_tokens == 0 and s.num_computed_tokens == 0
     assert len(s.block_table) == 3
     assert bm.cached == {} and bm.stats()["prefix_hit_tokens"] == 0
+
+
+def test_a_context_stays_in_consecutive_blocks_where_it_can():
+    """A new sequence takes a run of free blocks that cache nothing, found from the least
+    recently freed ones, in ascending order, and grows into the block after its last when that one is free and caches nothing,
+    so its context is one run of blocks (StepMetadata.first_blocks). Where no run is free it
+    takes the least recently freed blocks, in ascending order."""
+    bm = BlockManager(12, BS, enable_prefix_caching=False)
+    a, b, c = seq(range(3 * BS)), seq(range(2 * BS)), seq(range(3 * BS))
+    for s in (a, b, c):
+        assert bm.allocate(s)
+    assert (a.block_table, b.block_table, c.block_table) == ([0, 1, 2], [3, 4], [5, 6, 7])
+    bm.free(a)
+    bm.free(c)  # free: 8-11, then 2, 1, 0, then 7, 6, 5
+    again = seq(range(4 * BS))
+    assert bm.allocate(again) and again.block_table == [5, 6, 7, 8]  # the first free run
+    again.token_ids.append(7)  # past its blocks: the next one, 9, is free and empty
+    assert bm.ensure_capacity(again) and again.block_table == [5, 6, 7, 8, 9]
+    bm.free(b)  # free: 10, 11, 2, 1, 0, 4, 3
+    run = seq(range(5 * BS))
+    assert bm.allocate(run) and run.block_table == [0, 1, 2, 3, 4]
+    grown = seq(range(BS))
+    assert bm.allocate(grown) and grown.block_table == [10]
+    grown.token_ids.append(7)
+    assert bm.ensure_capacity(grown) and grown.block_table == [10, 11]
+    check_ref_counts(bm, [again, run, grown])
+
+
+def test_without_a_free_run_the_least_recently_freed_blocks_are_taken_in_order():
+    bm = BlockManager(6, BS, enable_prefix_caching=False)
+    held = [seq(range(BS)) for _ in range(6)]
+    for s in held:
+        assert bm.allocate(s)
+    for i in (4, 0, 2):  # free: 4, 0, 2, none next to another
+        bm.free(held[i])
+    two = seq(range(2 * BS))
+    assert bm.allocate(two) and two.block_table == [0, 4]
+    assert list(bm.free_ids) == [2]
+
+
+def test_growing_into_the_next_block_never_evicts_a_cached_prefix():
+    bm = BlockManager(4, BS)
+    grower = seq(range(200, 200 + BS))
+    assert bm.allocate(grower) and grower.block_table == [0]
+    assert cache_prompt(bm, range(BS)) == [1]  # block 1 caches a prefix, free again
+    grower.token_ids.append(7)
+    assert bm.ensure_capacity(grower) and grower.block_table == [0, 2]  # not 1: it caches
+    assert bm.cached_prefix_tokens(list(range(BS)) + [5]) == BS

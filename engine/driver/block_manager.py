@@ -8,6 +8,7 @@ needs them, least recently freed first.
 from __future__ import annotations
 
 import hashlib
+import itertools
 from array import array
 from collections import Counter, OrderedDict
 from dataclasses import dataclass
@@ -17,6 +18,10 @@ from engine.driver.sequence import Sequence
 from parallel.cp_layout import max_held
 
 HashFn = Callable[[int | None, tuple[int, ...]], int]
+
+# how many of the least recently freed blocks a new sequence tries to start a run of
+# consecutive blocks at, before it takes them as they come (a bounded cost per allocation)
+RUN_TRIES = 8
 
 
 def chain_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
@@ -104,7 +109,7 @@ class BlockManager:
             return False
         for bid in hits:
             self._take(bid)
-        seq.block_table = hits + [self._take_fresh() for _ in range(fresh)]
+        seq.block_table = hits + self._take_fresh_run(fresh)
         seq.num_cached_tokens = seq.num_computed_tokens = len(hits) * self.block_size
         seq.num_hashed_blocks = len(hits)
         seq.parent_hash = self.blocks[hits[-1]].hash if hits else None
@@ -118,7 +123,12 @@ class BlockManager:
             return True
         if not self.free_ids:
             return False
-        seq.block_table.append(self._take_fresh())
+        following = seq.block_table[-1] + 1 if seq.block_table else None
+        if following in self.free_ids and self.blocks[following].hash is None:
+            # free and caching nothing: the context stays consecutive
+            seq.block_table.append(self._claim(following))
+        else:
+            seq.block_table.append(self._take_fresh())
         return True
 
     def register_computed(self, seq: Sequence) -> None:
@@ -150,7 +160,7 @@ class BlockManager:
         """`n` fresh blocks for K/V written from outside (a KV hand-off); None if too few are free."""
         if self.num_free_blocks < n:
             return None
-        return [self._take_fresh() for _ in range(n)]
+        return self._take_fresh_run(n)
 
     def free_blocks(self, block_table: list[int]) -> None:
         """Drop one reference to each block (an exported or adopted table without a sequence)."""
@@ -182,8 +192,40 @@ class BlockManager:
             del self.free_ids[bid]
         block.ref_count += 1
 
+    def _take_fresh_run(self, n: int) -> list[int]:
+        """`n` fresh blocks in ascending order: one run of consecutive free blocks that cache
+        nothing when one holds one of the RUN_TRIES least recently freed blocks, else the
+        least recently freed blocks. A context in consecutive blocks is read as one view of
+        the cache, where scattered blocks are copied at every layer of every decode step
+        (KVCache.gather); a sequence freed tail first leaves its blocks in descending order."""
+        for bid in list(itertools.islice(self.free_ids, RUN_TRIES)):
+            start = self._run_start(bid, n)
+            if start is not None:
+                return [self._claim(b) for b in range(start, start + n)]
+        return sorted(self._take_fresh() for _ in range(n))
+
+    def _run_start(self, bid: int, n: int) -> int | None:
+        """The first of n consecutive free, empty blocks that include `bid` (the lowest such
+        start), or None. At most 2n lookups."""
+        def empty(b: int) -> bool:
+            return b in self.free_ids and self.blocks[b].hash is None
+
+        if not empty(bid):
+            return None
+        low = high = bid
+        while low > bid - n + 1 and empty(low - 1):
+            low -= 1
+        while high < low + n - 1 and empty(high + 1):
+            high += 1
+        return low if high - low + 1 == n else None
+
     def _take_fresh(self) -> int:
-        bid, _ = self.free_ids.popitem(last=False)
+        """The least recently freed block."""
+        return self._claim(next(iter(self.free_ids)))
+
+    def _claim(self, bid: int) -> int:
+        """Free block `bid` for new K/V: out of the pool, its cached prefix (if any) forgotten."""
+        del self.free_ids[bid]
         block = self.blocks[bid]
         if block.hash is not None and self.cached.get(block.hash) == bid:
             del self.cached[block.hash]  # evicted: its contents are about to be overwritten
