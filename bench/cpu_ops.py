@@ -3,8 +3,8 @@ through torch's default matmul (`F.linear`, MKL on x86) against oneDNN (`engine.
 a prompt's causal attention through torch's SDPA (its CPU flash kernel, grouped KV heads
 shared with `enable_gqa`) against the engine's blocked attention (engine/rank/blocked_attention,
 which the engine uses for bf16 prompts). SmolLM2-135M's shapes (hidden 576, FFN 1536, 9 query /
-3 KV heads of 64). Also, inside a compiled graph, float32 decode rows through oneDNN against
-a multiply-and-sum (what the compiled decode graph uses for 1-2 rows), and bf16 decode rows
+3 KV heads of 64). Also, inside a compiled graph, float32 and bf16 decode rows through oneDNN
+against a multiply-and-sum (what the compiled decode graph uses for 1-2 rows), and bf16 decode rows
 reading plain weights against weights packed for one row. Runs alternate; the
 fastest of each is kept.
 
@@ -46,12 +46,12 @@ def projections(rows: int, dtype: torch.dtype, repeats: int) -> dict[str, float]
     return {name: flops / s / 1e9 for name, s in t.items()}
 
 
-def compiled_decode_rows(rows: int, repeats: int) -> dict[str, float]:
-    """float32 decode rows (30 layers of distinct weights) inside one compiled graph: oneDNN's
-    inner product as an opaque op against the multiply-and-sum inductor streams
-    (engine.rank.gemm takes the latter for graphs of at most MATVEC_ROWS fixed rows)."""
-    weights = [torch.randn(shape) for _ in range(30) for shape in PROJECTIONS]
-    inputs = {k: torch.randn(rows, k) for k in (576, 1536)}
+def compiled_decode_rows(rows: int, dtype: torch.dtype, repeats: int) -> dict[str, float]:
+    """Decode rows (30 layers of distinct weights) inside one compiled graph: oneDNN's inner
+    product as an opaque op against the multiply-and-sum inductor streams (engine.rank.gemm
+    takes the latter for graphs of at most MATVEC_ROWS fixed float32 or bf16 rows)."""
+    weights = [torch.randn(shape, dtype=dtype) for _ in range(30) for shape in PROJECTIONS]
+    inputs = {k: torch.randn(rows, k, dtype=dtype) for k in (576, 1536)}
     flops = sum(2 * rows * w.numel() for w in weights)
 
     def graph(product):
@@ -59,7 +59,7 @@ def compiled_decode_rows(rows: int, repeats: int) -> dict[str, float]:
                              dynamic=False)
 
     t = fastest({"oneDNN op": graph(lambda x, w: onednn_linear(x, w, None)),
-                 "multiply-and-sum": graph(lambda x, w: (x.unsqueeze(1) * w).sum(-1))}, repeats)
+                 "multiply-and-sum": graph(lambda x, w: gemm.matvec(x, w, None))}, repeats)
     return {name: flops / s / 1e9 for name, s in t.items()}
 
 
@@ -104,11 +104,11 @@ def main() -> None:
             r = projections(rows, getattr(torch, dtype), args.repeats)
             print(f"{dtype + f', {rows} rows':<24} {r['F.linear']:>17.1f} {r['oneDNN']:>15.1f} "
                   f"{r['oneDNN'] / r['F.linear']:>17.2f}x")
-    if "float32" in args.dtypes:
-        print(f"{'compiled decode rows':<24} {'oneDNN op GFLOP/s':>17} {'mul-sum GFLOP/s':>15} {'mul-sum / oneDNN':>18}")
+    print(f"{'compiled decode rows':<24} {'oneDNN op GFLOP/s':>17} {'mul-sum GFLOP/s':>15} {'mul-sum / oneDNN':>18}")
+    for dtype in (d for d in args.dtypes if gemm.onednn_runs(getattr(torch, d))):
         for rows in (1, 2, 4, 8):
-            r = compiled_decode_rows(rows, args.repeats)
-            print(f"{f'float32, {rows} rows':<24} {r['oneDNN op']:>17.1f} "
+            r = compiled_decode_rows(rows, getattr(torch, dtype), args.repeats)
+            print(f"{dtype + f', {rows} rows':<24} {r['oneDNN op']:>17.1f} "
                   f"{r['multiply-and-sum']:>15.1f} {r['multiply-and-sum'] / r['oneDNN op']:>17.2f}x")
     if "bfloat16" in args.dtypes and not gemm.HAVE_ONEDNN_BF16:
         print("bf16 decode weights: not offered on this CPU (oneDNN builds no bf16 products)")

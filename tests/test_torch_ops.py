@@ -62,17 +62,21 @@ def _check_rope(rows: int, dtype: torch.dtype, atol: float) -> None:
 
 def test_an_engine_step_rotates_q_and_k_in_one_pass(tiny_model_dir, monkeypatch):
     """In the engine's own steps (inference mode, the QKV projection's output) every layer's
-    RoPE is one rotation over q's and k's heads together, and the tokens are those of the
-    rotation done apart."""
+    RoPE is one rotation over q's and k's heads together, at cos/sin rows gathered once per
+    step, and the tokens are those of the rotation done apart."""
     cfg = json.loads((tiny_model_dir("llama") / "config.json").read_text())
     heads = cfg["num_attention_heads"] + cfg["num_key_value_heads"]
     rotated, rotate = [], ops._rotated
     monkeypatch.setattr(ops, "_rotated", lambda x, c, s: rotated.append(x.shape[1]) or rotate(x, c, s))
+    gathered, rope_rows = [], ops.rope_rows
+    monkeypatch.setattr(ops, "rope_rows", lambda p, c, s: gathered.append(len(p)) or rope_rows(p, c, s))
     prompts, params = [[5, 9, 2, 7, 11, 3, 8, 1] * 3, [4, 4, 6]], SamplingParams(max_tokens=4)
     with LLM(str(tiny_model_dir("llama")), kernel_choice="fixed") as llm:
         one_pass = [o.token_ids for o in llm.generate(prompts, params)]
         # a prompt step, then 3 decode steps, each through every layer once
         assert rotated == [heads] * (4 * cfg["num_hidden_layers"])
+        # each step's cos/sin rows gathered once, by its first layer, at its own rows
+        assert gathered == [27, 2, 2, 2]
         monkeypatch.setattr(ops, "_side_by_side", lambda q, k: None)
         rotated.clear()
         apart = [o.token_ids for o in llm.generate(prompts, params)]

@@ -98,27 +98,41 @@ def torch_attention(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
                     prompt_kernel: PromptKernel = fixed_prompt_kernel,
                     decode_kernel: DecodeKernel | None = None) -> torch.Tensor:
     """q: [T, hq, d], k/v: [T, hkv, d] for the new tokens, already stored in the cache.
-    Returns [T, hq, d]. On a CPU a prompt of more than one token runs `prompt_kernel`'s pick,
-    a decode step's one query `decode_kernel`'s (None: SDPA)."""
+    Returns [T, hq, d] (not always contiguous). On a CPU a prompt of more than one token runs
+    `prompt_kernel`'s pick, a decode step's one query `decode_kernel`'s (None: SDPA)."""
+    def one(i: int) -> torch.Tensor:
+        return _sequence_attention(layer, i, q, k, v, cache, meta, scale, prompt_kernel,
+                                   decode_kernel)
+
+    if len(meta.context_lens) == 1:  # its result is the output: no copy into a buffer
+        return one(0)
     out = torch.empty_like(q)
     bounds = meta.cu_seqlens_q
-    for i, kv_len in enumerate(meta.context_lens):
-        s, e = bounds[i], bounds[i + 1]
-        if e - s == kv_len:  # nothing cached before: the new K/V are the whole context
-            keys, values = k[s:e], v[s:e]
-        else:
-            keys, values = cache.gather(layer, meta.table[i], kv_len,
-                                        meta.first_blocks[i] if meta.first_blocks else None)
-        if not meta.uniform_groups:  # uneven groups on this rank: one KV copy per query head
-            keys = keys.index_select(1, meta.kv_head_of_q)
-            values = values.index_select(1, meta.kv_head_of_q)
-        kernel = None
-        if q.device.type == "cpu" and e - s > 1:
-            kernel = prompt_kernel(e - s, q.dtype)
-        elif q.device.type == "cpu" and decode_kernel is not None:
-            kernel = decode_kernel(kv_len, q.dtype)
-        if kernel is not None:
-            out[s:e] = kernel(q[s:e], keys, values, scale)
-        else:
-            out[s:e] = sdpa_attention(q[s:e], keys, values, scale, meta.uniform_groups)
+    for i in range(len(meta.context_lens)):
+        out[bounds[i]:bounds[i + 1]] = one(i)
     return out
+
+
+def _sequence_attention(layer: int, i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        cache: KVCache, meta: StepMetadata, scale: float,
+                        prompt_kernel: PromptKernel,
+                        decode_kernel: DecodeKernel | None) -> torch.Tensor:
+    """Sequence i's queries over its context: [q_len, hq, d]."""
+    s, e = meta.cu_seqlens_q[i], meta.cu_seqlens_q[i + 1]
+    kv_len = meta.context_lens[i]
+    if e - s == kv_len:  # nothing cached before: the new K/V are the whole context
+        keys, values = k[s:e], v[s:e]
+    else:
+        keys, values = cache.gather(layer, meta.table[i], kv_len,
+                                    meta.first_blocks[i] if meta.first_blocks else None)
+    if not meta.uniform_groups:  # uneven groups on this rank: one KV copy per query head
+        keys = keys.index_select(1, meta.kv_head_of_q)
+        values = values.index_select(1, meta.kv_head_of_q)
+    kernel = None
+    if q.device.type == "cpu" and e - s > 1:
+        kernel = prompt_kernel(e - s, q.dtype)
+    elif q.device.type == "cpu" and decode_kernel is not None:
+        kernel = decode_kernel(kv_len, q.dtype)
+    if kernel is not None:
+        return kernel(q[s:e], keys, values, scale)
+    return sdpa_attention(q[s:e], keys, values, scale, meta.uniform_groups)

@@ -29,6 +29,9 @@ class Backend:
     rope: Callable  # (positions, q, k, cos, sin) -> (q, k)
     silu_mul: Callable  # (gate_up) -> out
     linear: Callable = gemm.linear  # (x, weight, bias | None) -> x Wᵀ + b: every projection
+    # (q, k, cos rows, sin rows) -> (q, k): RoPE at multipliers gathered once per eager step
+    # (engine.rank.ops.rope_rows); None: `rope` gathers them itself in every layer
+    rotate: Callable | None = None
 
     def step_ops(self, decode: bool) -> BackendOps:
         """The KV store and attention of an eager step; `decode`: one new token per sequence."""
@@ -36,7 +39,7 @@ class Backend:
 
 
 TORCH = Backend("torch", KVCache.store, torch_attention, torch_attention, ops.rmsnorm, ops.rope,
-                ops.silu_mul)
+                ops.silu_mul, rotate=ops.rotate)
 
 
 def _triton() -> Backend:

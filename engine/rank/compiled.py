@@ -9,8 +9,8 @@ Xeon as whole-model graphs (BENCHMARKS.md).
 - A decode step (one new token per sequence, at most `DECODE_BUCKETS[-1]` sequences, nothing
   scored) runs its layers' graph with static shapes, then the final norm and this rank's slice
   of the LM head as a graph of their own: its rows are padded to the next size bucket, and each
-  bucket is compiled once. Its float32 projections become streaming multiply-and-sum loops
-  (engine.rank.gemm), its paged attention is tensor math over the block table (padded_decode)
+  bucket is compiled once. Its float32 and bf16 projections become streaming multiply-and-sum
+  loops (engine.rank.gemm), its paged attention is tensor math over the block table (padded_decode)
   and its small ops fuse, so a layer is its weight reads plus little else.
 - Any other step of more than MATVEC_ROWS tokens runs the layer graph with a dynamic token
   count; shorter ones (rare) run eagerly. The embedding runs eagerly: one row gather.

@@ -43,7 +43,7 @@ def _low_precision(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     and the bias are float32."""
     if torch.compiler.is_compiling():
         if few_fixed_rows(x):
-            return matvec(x, weight.to(x.dtype), bias)
+            return matvec(x, weight, bias)
         y = onednn_linear(x.to(weight.dtype), weight, None)
     else:
         y = torch.ops.mkldnn._linear_pointwise(x.to(weight.dtype), weight, None, "none", [], "")
@@ -52,10 +52,12 @@ def _low_precision(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 
 # A compiled graph of a decode step with at most this many rows, all known when compiling,
-# writes its float32 projections as a multiply-and-sum that inductor turns into one streaming
-# loop over the weight: in one graph over 30 layers of SmolLM2's weights (2 threads, AVX512
-# EPYC, `python -m bench.cpu_ops`) 2.4x oneDNN's inner product for 1 row and 1.4x for 2, and
-# slower from 4 rows on (0.8x), where the rows' products stop sharing each weight read.
+# writes its float32 and bfloat16 projections as a multiply-and-sum that inductor turns into
+# one streaming loop over the weight: in one graph over 30 layers of SmolLM2's weights (2
+# threads, AVX512 EPYC, `python -m bench.cpu_ops`) 2.4x oneDNN's inner product for 1 float32
+# row and 1.4x for 2, and slower from 4 rows on (0.8x), where the rows' products stop sharing
+# each weight read. bf16 weights are widened inside the loop, element by element: the same
+# graph read them at 3.2x torch's bf16 matrix-vector product on the AMX Xeon (session 34).
 MATVEC_ROWS = 2
 
 
@@ -63,12 +65,14 @@ def few_fixed_rows(x: torch.Tensor) -> bool:
     # dynamo treats a symbolic row count as an int, so this would guard a dynamic graph on it:
     # engine.rank.compiled bounds its dynamic token count below at MATVEC_ROWS + 1, which makes
     # the comparison false there without a guard
-    return x.shape[0] <= MATVEC_ROWS and x.dtype == torch.float32
+    return x.shape[0] <= MATVEC_ROWS and x.dtype in (torch.float32, torch.bfloat16)
 
 
 def matvec(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    y = (x.unsqueeze(1) * weight).sum(-1)
-    return y if bias is None else y + bias
+    """x Wᵀ + b summed in float32 (as oneDNN's bf16 products accumulate), rounded once to x's
+    dtype; for float32 operands the widenings are no-ops."""
+    y = (x.float().unsqueeze(1) * weight.float()).sum(-1)
+    return (y if bias is None else y + bias.float()).to(x.dtype)
 
 
 @torch.library.custom_op("prefill::onednn_linear", mutates_args=())
@@ -92,11 +96,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight,
     if weight.is_mkldnn or (weight.dtype == torch.bfloat16 and x.dtype == torch.float32
                             and weight.device.type == "cpu" and HAVE_ONEDNN_BF16):
         return _low_precision(x, weight, bias)
+    compiling = torch.compiler.is_compiling()
+    if (compiling and weight.device.type == "cpu" and x.dtype == weight.dtype
+            and few_fixed_rows(x)):
+        return matvec(x, weight, bias)
     if not _onednn_usable(x, weight):
         return F.linear(x, weight, bias)
-    if torch.compiler.is_compiling():
-        if few_fixed_rows(x):
-            return matvec(x, weight, bias)
+    if compiling:
         return onednn_linear(x, weight, bias)
     return eager_onednn_linear(x, weight, bias)
 

@@ -58,7 +58,8 @@ def store_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: t
     ctx = current_step()
     n = ctx.meta.cu_seqlens_q[-1]
     ctx.ops.store(ctx, layer, k[:n], v[:n])
-    out = ctx.ops.attend(ctx, layer, q[:n], k[:n], v[:n], scale)
+    # contiguous, as the fake below says: an eager attention may return a transposed view
+    out = ctx.ops.attend(ctx, layer, q[:n], k[:n], v[:n], scale).contiguous()
     if n == len(q):
         return out
     return torch.cat((out, out.new_zeros(len(q) - n, *out.shape[1:])))

@@ -199,8 +199,8 @@ class KernelChoice:
     _top_context_bucket: int = 0  # the same for a decode step's context length
     # weight shapes whose decode steps read a packed copy (DECODE_COPY_DTYPES); empty: none
     packed_decode_shapes: set[tuple[int, int]] = field(default_factory=set)
-    # compile=True: a graph's products of at most gemm.MATVEC_ROWS fixed float32 rows call
-    # torch's matmul (MKL) instead of the multiply-and-sum, when timed faster in a graph
+    # compile=True: a graph's products of at most gemm.MATVEC_ROWS fixed rows call torch's
+    # matmul instead of the multiply-and-sum, when timed faster in a graph
     graph_rows_call_torch: bool = False
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor,
@@ -267,11 +267,12 @@ class KernelChoice:
         store.save()
 
     def choose_graph_rows(self, weights: list[torch.Tensor]) -> None:
-        """compile=True, float32: time one compiled graph of one-row products over streamed
-        copies of every projection shape, written as the multiply-and-sum (the built-in choice,
-        2.4x oneDNN on an AVX512 EPYC) and as torch's matmul (MKL, 8 % faster on an AMX Xeon
-        for SmolLM2's shapes); graphs compiled afterwards take the pick."""
-        if self.dtype != torch.float32:
+        """compile=True, float32 or bfloat16 on a CPU: time one compiled graph of one-row
+        products over streamed copies of every projection shape, written as the multiply-and-
+        sum (the built-in choice, 2.4x oneDNN on an AVX512 EPYC) and as torch's matmul (MKL,
+        8 % faster on an AMX Xeon for SmolLM2's float32 shapes); graphs compiled afterwards take
+        the pick."""
+        if self.dtype not in (torch.float32, torch.bfloat16):
             return
         shapes = one_per_shape(weights)
         store = TimingStore.open()
@@ -376,7 +377,7 @@ def _time_in_graph(kernels: dict[str, Callable], weights: list[torch.Tensor]) ->
     decode graph runs its projections."""
     count = max(1, min(MAX_COPIES, STREAMED_BYTES // sum(w.nbytes for w in weights)))
     copies = [w.clone() for _ in range(count) for w in weights]
-    xs = {n: torch.randn(1, n) for n in {w.shape[1] for w in copies}}
+    xs = {w.shape[1]: torch.randn(1, w.shape[1], dtype=w.dtype) for w in copies}
     graphs = {name: torch.compile(lambda k=k: [k(xs[w.shape[1]], w, None) for w in copies],
                                   dynamic=False, fullgraph=True)
               for name, k in kernels.items()}

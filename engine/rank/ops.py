@@ -19,9 +19,24 @@ def rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
 def rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
          sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q [T, h, d] and k [T, hkv, d] by their positions (rotate-half layout); cos/sin are
-    [max_positions, d/2] float32 tables. q and k side by side in one buffer (the QKV
-    projection's output) are rotated in one pass: half the small ops of a decode step's RoPE."""
-    c, s = cos.index_select(0, positions).unsqueeze(1), sin.index_select(0, positions).unsqueeze(1)
+    [max_positions, d/2] float32 tables."""
+    return rotate(q, k, *rope_rows(positions, cos, sin))
+
+
+def rope_rows(positions: torch.Tensor, cos: torch.Tensor,
+              sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's multipliers [T, 1, d]: (c, c) and (-s, s) at each row's position. Every
+    layer rotates at the same positions, so an eager step gathers them once
+    (engine.rank.rotary), not in each of its layers."""
+    c, s = cos.index_select(0, positions), sin.index_select(0, positions)
+    return torch.cat((c, c), -1).unsqueeze(1), torch.cat((-s, s), -1).unsqueeze(1)
+
+
+def rotate(q: torch.Tensor, k: torch.Tensor, c: torch.Tensor,
+           s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k rotated by the multipliers of rope_rows. q and k side by side in one buffer
+    (the QKV projection's output) are rotated in one pass: half the small ops of a decode
+    step's RoPE."""
     both = _side_by_side(q, k)
     if both is None:
         return _rotated(q, c, s), _rotated(k, c, s)
@@ -44,17 +59,11 @@ def _side_by_side(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
 
 
 def _rotated(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """(x1, x2) -> (x1 c - x2 s, x2 c + x1 s) in float32, rounded back to x's dtype. Eagerly
-    each half is written straight into the output (no concatenation); a compiled graph, which
-    takes no `out=` views, fuses the concatenation into its loop."""
-    x1, x2 = x.float().chunk(2, dim=-1)
-    if torch.compiler.is_compiling():
-        return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1).to(x.dtype)
-    out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
-    out1, out2 = out.chunk(2, dim=-1)
-    torch.mul(x1, c, out=out1).sub_(x2 * s)
-    torch.mul(x2, c, out=out2).add_(x1 * s)
-    return out.to(x.dtype)
+    """(x1, x2) -> (x1 c - x2 s, x2 c + x1 s) in float32, rounded back to x's dtype, written as
+    x (c, c) + (x2, x1) (-s, s): five ops where the halves took ten, the same float32 values
+    (x2 (-s) is -(x2 s) exactly)."""
+    h = x.float()
+    return (h * c).add_(h.roll(h.shape[-1] // 2, -1) * s).to(x.dtype)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,7 @@ import math
 import torch
 
 from engine.loading.model_config import ModelConfig
+from engine.rank import ops
 from engine.rank.backend import TORCH, Backend
 
 
@@ -36,7 +37,17 @@ class RotaryEmbedding(torch.nn.Module):
         angles = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
         self.register_buffer("cos", angles.cos().float(), persistent=False)
         self.register_buffer("sin", angles.sin().float(), persistent=False)
+        # (positions, multipliers) of the last eager step: its later layers reuse them
+        self._step_rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor,
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.backend.rope(positions, q, k, self.cos, self.sin)
+        rotate = self.backend.rotate
+        if rotate is None or torch.compiler.is_compiling():  # a graph gathers in its loop
+            return self.backend.rope(positions, q, k, self.cos, self.sin)
+        # one step's layers get the one positions tensor of its context; the reference kept
+        # here keeps that object alive, so `is` cannot match a later step's tensor
+        rows = self._step_rows
+        if rows is None or rows[0] is not positions:
+            rows = self._step_rows = (positions, *ops.rope_rows(positions, self.cos, self.sin))
+        return rotate(q, k, rows[1], rows[2])
