@@ -390,8 +390,8 @@ def test_without_onednn_bf16_a_bf16_engine_matches_float32(tiny_model_dir, cache
 
 
 def test_graph_rows_are_timed_in_compiled_graphs(cache):
-    """compile=True, float32: both ways of a graph's one-row products, compiled and timed; the
-    pick is kept on disk and read back; a bf16 model is not timed."""
+    """compile=True, float32 and bf16: both ways of a graph's one-row products, compiled and
+    timed, per dtype; the pick is kept on disk and read back; a float16 model is not timed."""
     weights = [torch.randn(48, 32), torch.randn(64, 32), torch.randn(40, 48)]
     choice = kc.KernelChoice(torch.float32)
     choice.choose_graph_rows(weights)
@@ -404,7 +404,12 @@ def test_graph_rows_are_timed_in_compiled_graphs(cache):
     assert again.picks[0].from_disk and again.picks[0].seconds == pick.seconds
     low = kc.KernelChoice(torch.bfloat16)
     low.choose_graph_rows([w.bfloat16() for w in weights])
-    assert low.picks == [] and not low.graph_rows_call_torch
+    [bf16_pick] = low.picks
+    assert not bf16_pick.from_disk and set(bf16_pick.seconds) == {"multiply-and-sum", "torch"}
+    assert low.graph_rows_call_torch == (bf16_pick.kernel == "torch")
+    half = kc.KernelChoice(torch.float16)
+    half.choose_graph_rows([w.half() for w in weights])
+    assert half.picks == [] and not half.graph_rows_call_torch
 
 
 def test_a_failed_compile_while_timing_keeps_the_built_in(cache, monkeypatch, caplog):
