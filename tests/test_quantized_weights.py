@@ -90,12 +90,11 @@ def test_raw_q4_codes_reproduce_gguf_dequantize(kind):
 def test_smollm2_blocks_read_raw_equal_its_dequantized_slices(smollm2_path):
     """Row slices of the un-permuted q rows, whole k, and a rank's column half of down_proj."""
     ckpt = open_checkpoint(smollm2_path)
-    down = ckpt.reader.get_tensor(  # the file's own tensor, through gguf only
-        [t.name for t in ckpt.reader.tensors].index("blk.3.ffn_down.weight"))
+    down = ckpt.file.tensors["blk.3.ffn_down.weight"]  # the file's own blocks
     cases = [("model.layers.0.self_attn.q_proj.weight", 0, 64, 256, None),
              ("model.layers.0.self_attn.k_proj.weight", None, 0, 0, None),
              ("model.layers.3.mlp.down_proj.weight", 1, 768, 1536,
-              gguf.quants.dequantize(down.data, down.tensor_type)[:, 768:1536])]
+              gguf.quants.dequantize(down.data, down.tensor_type)[:, 768:1536])]  # gguf's decoding
     for name, dim, a, b, direct in cases:
         blocks = ckpt.read_q4(name, dim, a, b)
         values = (blocks.codes.float() * blocks.scales.repeat_interleave(32, 1)

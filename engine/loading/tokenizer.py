@@ -44,20 +44,15 @@ class Tokenizer:
         return self.backend.decode([token_id], skip_special_tokens=False)
 
 
-def _field(reader, key: str):
-    f = reader.fields.get(key)
-    return None if f is None else f.contents()
-
-
 def _from_gguf(ckpt: GGUFCheckpoint) -> Tokenizer:
-    r = ckpt.reader
-    kind = _field(r, "tokenizer.ggml.model")
+    field = ckpt.file.metadata.get
+    kind = field("tokenizer.ggml.model")
     if kind != "gpt2":
         raise NotImplementedError(f"{ckpt.source}: GGUF tokenizer {kind!r} is not supported "
                                   f"(byte-level BPE 'gpt2' only)")
-    tokens = _field(r, "tokenizer.ggml.tokens")
+    tokens = field("tokenizer.ggml.tokens")
     vocab = {tok: i for i, tok in enumerate(tokens)}
-    merges = [tuple(m.split(" ", 1)) for m in _field(r, "tokenizer.ggml.merges")]
+    merges = [tuple(m.split(" ", 1)) for m in field("tokenizer.ggml.merges")]
     backend = HFTokenizer(models.BPE(vocab, merges, fuse_unk=False, byte_fallback=False))
     # digits one at a time, as SmolLM2 and Llama 3 tokenizers split them
     backend.pre_tokenizer = pre_tokenizers.Sequence([
@@ -65,11 +60,11 @@ def _from_gguf(ckpt: GGUFCheckpoint) -> Tokenizer:
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
     ])
     backend.decoder = decoders.ByteLevel()
-    types = _field(r, "tokenizer.ggml.token_type") or []
+    types = field("tokenizer.ggml.token_type") or []
     backend.add_special_tokens([tokens[i] for i, t in enumerate(types) if t == _GGUF_CONTROL_TOKEN])
-    add_bos = bool(_field(r, "tokenizer.ggml.add_bos_token"))
+    add_bos = bool(field("tokenizer.ggml.add_bos_token"))
     return Tokenizer(backend, ckpt.config.bos_token_id if add_bos else None,
-                     _field(r, "tokenizer.chat_template"))
+                     field("tokenizer.chat_template"))
 
 
 def load_tokenizer(ckpt: Checkpoint) -> Tokenizer | None:
