@@ -112,7 +112,7 @@ def run_cuda_graphs(model_dir: str, rec: Recorder) -> dict:
     worker = Worker(make_plan(cfg, model_dir, ckpt.config), checkpoint=ckpt)
     model = compiled_mod.CompiledModel(worker.model)
     # the graphs' functions, uncompiled
-    model._decode_layer = dict.fromkeys(compiled_mod.DECODE_BUCKETS, compiled_mod._decode_layer)
+    model._decode_layer = dict.fromkeys(compiled_mod.DECODE_BUCKETS, compiled_mod._layer)
     model._decode_head = dict.fromkeys(compiled_mod.DECODE_BUCKETS, compiled_mod._decode_head)
     mark = rec.mark()
     model.capture_decode_graphs(worker.cache, worker.kv_head_of_q_device, 256, False)

@@ -5,6 +5,7 @@ graph), each one layer's graph shared by every layer; a setup where compiling fa
 to eager with a warning."""
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -185,12 +186,11 @@ def test_nothing_compiles_inside_requests(eager, compiled):
 
 
 def test_one_graph_serves_every_layer(tiny_model_dir, tmp_path, monkeypatch):
-    """A six-layer model compiles at most two graphs of each layer function, whatever its
-    depth (layer 0's, then one whose layer index is symbolic; or only the latter, where an
-    engine earlier in this process showed dynamo the index varies: it learns per code name),
-    and one head per bucket; and it answers as eager
-    does, so every layer run through a shared graph read its own weights and its own slice of
-    the cache (decode steps check only the guards that tell graphs apart)."""
+    """A six-layer model compiles one graph of each layer function, whatever its depth (the
+    layer index symbolic from layer 0 on: before, layer 0 compiled a graph of its own), and
+    one head per bucket; and it answers as eager does, so every layer run through a shared
+    graph read its own weights and its own slice of the cache (decode steps skip the guards
+    once every layer has run)."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
     from engine.rank.compiled import CompiledModel
@@ -215,7 +215,7 @@ def test_one_graph_serves_every_layer(tiny_model_dir, tmp_path, monkeypatch):
             decode_graphs = {t.graph for t in llm.step_timings() if t.graph.startswith("decode")}
     finally:
         mp.undo()
-    assert all(1 <= n <= 2 for n in counts), counts  # six layers: not one graph per layer
+    assert counts == [1] * (1 + len(compiled._decode_layer)), counts
     assert heads == [1, 1, 1, 1]
     assert {"decode-4", "decode-8"} <= decode_graphs
     for got, expected in zip(logits, want_logits):
@@ -236,13 +236,16 @@ def test_short_context_warms_up_within_it(llama):
 
 
 def test_compile_failure_falls_back_to_eager(llama, want, caplog, monkeypatch):
-    """A backend that cannot compile this setup (here: one that always raises, as inductor does
-    without a working C++ compiler): the engine warns and runs eagerly. Last in this file: it
-    resets dynamo, which the shared compiled engine must not meet afterwards."""
+    """A backend that cannot compile this setup (here: one that always raises, as inductor
+    does on a file in its cache cut short by a compile killed midway): the engine warns, names
+    the folder to delete, and runs eagerly. Last of the engine tests in this file: it resets
+    dynamo, which the shared compiled engine must not meet afterwards."""
     import torch._dynamo
 
+    folder = kernel_choice.keep_compiled_code()  # where this process's inductor writes
+
     def broken_backend(graph, example_inputs):
-        raise RuntimeError("no C++ compiler")
+        raise ImportError(f"{folder}/oo/c00.main.so: file too short")
 
     real_compile = torch.compile
     monkeypatch.setattr(torch, "compile",
@@ -258,6 +261,7 @@ def test_compile_failure_falls_back_to_eager(llama, want, caplog, monkeypatch):
     finally:
         torch._dynamo.reset()
     assert "running eagerly instead" in caplog.text
+    assert f"delete {folder} to compile afresh" in caplog.text
     assert tokens == want_tokens
     torch.testing.assert_close(logits[0], want_logits[0], atol=1e-5, rtol=1e-5)
 
@@ -274,3 +278,41 @@ def test_inductor_keeps_its_code_in_the_engines_cache_folder(tmp_path, monkeypat
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "mine"))
     CompiledModel(torch.nn.Linear(2, 2))
     assert inductor_cache_dir() == str(tmp_path / "mine")  # a folder chosen before is kept
+
+
+def test_vector_isa_probes_run_once_per_machine(tmp_path, monkeypatch):
+    """inductor's probes of the vector ISAs the CPU claims run on a machine's first compiled
+    start; once all passed, later starts (a record for this CPU, torch and compiler) tell
+    inductor so without probing. A claimed ISA that failed its probe is never recorded or
+    trusted, and a choice the user made (TORCHINDUCTOR_VEC_ISA_OK) stands."""
+    from torch._inductor import config as inductor_config, cpu_vec_isa
+
+    from engine.rank.compiled import trust_probed_vector_isas
+
+    flags = cpu_vec_isa.x86_isa_checker()
+    claimed = [isa for isa in cpu_vec_isa.supported_vec_isa_list
+               if all(flag in flags for flag in str(isa).split())]
+    assert claimed, "an x86 CPU claims AVX2 at least"
+    monkeypatch.setenv("PREFILL_ENGINE_CACHE", str(tmp_path))
+    record = tmp_path / "vector_isas.json"
+    probes = []
+
+    def probing(passed):
+        monkeypatch.setattr(cpu_vec_isa, "valid_vec_isa_list",
+                            lambda: probes.append(1) or passed)
+
+    def start(user_choice=None):
+        inductor_config.cpp.vec_isa_ok = user_choice  # (monkeypatch breaks config proxies)
+        trust_probed_vector_isas()
+        return inductor_config.cpp.vec_isa_ok
+
+    with inductor_config.patch({"cpp.vec_isa_ok": None}):  # restored afterwards
+        probing(claimed[1:])  # the widest claimed ISA failed its probe
+        assert start() is None and not record.exists() and len(probes) == 1
+        probing(claimed)
+        assert start() is True and len(probes) == 2
+        assert list(json.loads(record.read_text()).values()) == [[str(isa) for isa in claimed]]
+        assert start() is True and len(probes) == 2  # kept: no probe
+        assert start(user_choice=False) is False and len(probes) == 2
+        record.write_text(json.dumps({"another CPU": [str(isa) for isa in claimed]}))
+        assert start() is True and len(probes) == 3  # no record for this machine: probed again

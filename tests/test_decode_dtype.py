@@ -32,7 +32,8 @@ def reference(tiny_model_dir):
 
 @needs_onednn_bf16
 @pytest.mark.parametrize("tp,compiled", [(1, False), (2, False), (1, True)])
-def test_single_token_steps_read_bf16_copies(request, reference, tp, compiled, monkeypatch):
+def test_single_token_steps_read_bf16_copies(request, reference, tp, compiled, monkeypatch,
+                                             tmp_path):
     """Eager, and in the compiled decode graph (whose 1-row products stream the bf16 copies
     as a float32 multiply-and-sum; made to win the start-up timing against eager steps)."""
     from engine.rank import kernel_choice
@@ -41,6 +42,7 @@ def test_single_token_steps_read_bf16_copies(request, reference, tp, compiled, m
         request.getfixturevalue("ray_cluster")
     monkeypatch.setattr(kernel_choice, "_time_step",
                         lambda kind, candidates, rounds: {"graph": 1.0, "eager": 2.0})
+    monkeypatch.setenv("PREFILL_ENGINE_CACHE", str(tmp_path))  # no step timing kept earlier
     path, want = reference
     with LLM(path, tp=tp, decode_dtype="bfloat16", compile=compiled) as llm:
         got = _one_token_step_logits(llm)

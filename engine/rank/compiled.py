@@ -2,7 +2,7 @@
 
 Every layer has the same ops on weights of the same shapes, so one layer's graph serves all
 of them (regional compilation): the weights are the graph's inputs, and the layer's index (its
-slice of the KV cache) an unspecialised integer. A model compiles a few one-layer graphs, not
+slice of the KV cache) a symbolic integer. A model compiles a few one-layer graphs, not
 whole-model graphs of every layer: SmolLM2's 30 layers took ~250 s to compile cold on the AMX
 Xeon as whole-model graphs (BENCHMARKS.md).
 
@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import hashlib
 import os
+import platform
 import types
 from typing import Callable
 
@@ -37,21 +39,44 @@ from torch import nn
 from engine.batch import Batch
 from engine.rank.cuda_graphs import DecodeGraphs, widths_up_to
 from engine.rank.graph_ops import LAYERS_GRAPH_OPS, running
-from engine.rank.kernel_choice import cache_dir
+from engine.rank.kernel_choice import (cache_dir, keep_compiled_code, machine_key, read_whole,
+                                      write_whole)
 from engine.rank.kv_cache import KVCache
 from engine.rank.padded_decode import pad_decode_step
 from engine.rank.step_context import StepContext
 from engine.rank.gemm import MATVEC_ROWS
 
 DECODE_BUCKETS = (1, 2, 4, 8)
+# dynamo's name for a layer's index (KVStore's and PagedAttention's layer_idx), as a pattern
+LAYER_INDEX_SOURCE = r".*\.layer_idx$"
 
 
-def keep_compiled_code() -> str:
-    """Where inductor keeps the code it generates: the engine's cache folder (beside the kernel
-    timings, engine.rank.kernel_choice), so a start-up after a reboot or a cleaned /tmp (torch's
-    default) finds its graphs compiled: 12–36 s warm against 18–27 s cold for SmolLM2 here. A
-    folder the user or an earlier compile in this process chose is kept."""
-    return os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
+def trust_probed_vector_isas() -> None:
+    """Inductor checks each vector ISA the CPU's flags claim (AVX2, AVX-512, AMX...) by building
+    a probe and loading it in a child process, once per process: 2.7 s of every compiled start
+    on the AMX Xeon. Once every claimed ISA has passed on this machine (kept on disk per CPU,
+    torch and C++ compiler), later starts tell inductor so instead of probing again. Where a
+    claimed ISA failed nothing is recorded or set: inductor probes, and skips that one."""
+    from torch._inductor import config as inductor_config, cpu_vec_isa
+    from torch._inductor.cpp_builder import get_compiler_version_info, get_cpp_compiler
+
+    if platform.machine() not in ("x86_64", "AMD64") or inductor_config.cpp.vec_isa_ok is not None:
+        return  # another architecture, or the user (TORCHINDUCTOR_VEC_ISA_OK) decided
+    flags = cpu_vec_isa.x86_isa_checker()
+    claimed = [str(isa) for isa in cpu_vec_isa.supported_vec_isa_list
+               if all(flag in flags for flag in str(isa).split())]
+    compiler = get_cpp_compiler()
+    version = hashlib.sha256(get_compiler_version_info(compiler).encode()).hexdigest()[:16]
+    key = f"{machine_key()}|{compiler} {version}"
+    path = cache_dir() / "vector_isas.json"
+    kept = read_whole(path)
+    if not claimed or kept.get(key) != claimed:
+        if [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()] != claimed:  # the probes
+            return
+        write_whole(path, {**kept, key: claimed})
+    # set on the probing start too: the setting is part of inductor's cache keys, so every
+    # start then finds the code the first one compiled
+    inductor_config.cpp.vec_isa_ok = True
 
 
 class CompiledModel:
@@ -62,6 +87,7 @@ class CompiledModel:
         which the decode graph runs when a step asks for it."""
         self.model, self.decode_model = model, decode_model or model
         keep_compiled_code()
+        trust_probed_vector_isas()
         self.usable = True  # False once compiling failed here: eager from then on
         self.enabled = True  # off while the tracer watches the eager modules
         # (rows, decode_weights) of the decode graphs that have run once with every guard
@@ -77,7 +103,7 @@ class CompiledModel:
         # each bucket's under a name of its own: dynamo learns which sizes vary per code name,
         # and the buckets' row counts must not look like one dynamic size. Not dynamic=False,
         # which would specialise the layer index too
-        self._decode_layer = {rows: torch.compile(_own_code(_decode_layer, rows), fullgraph=True)
+        self._decode_layer = {rows: torch.compile(_own_code(_layer, rows), fullgraph=True)
                               for rows in DECODE_BUCKETS}
         self._decode_head = {rows: torch.compile(_own_code(_decode_head, rows), dynamic=False,
                                                  fullgraph=True) for rows in DECODE_BUCKETS}
@@ -114,7 +140,9 @@ class CompiledModel:
     def forward(self, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
         """The layers through the prompt graph: (hidden, residual) of every row. The graph gets
         the context with the one opaque op as its `ops`; the op reads the step's own context
-        (`running`)."""
+        (`running`). Run under no_grad, not in inference mode: a graph traced in inference mode
+        cannot write the KV cache (its input), and entering inference mode inside the graph
+        keeps AOTAutograd from caching it (~4 s of every compiled start-up on the AMX Xeon)."""
         graph_ctx = dataclasses.replace(ctx, meta=None, ops=LAYERS_GRAPH_OPS)
         # > MATVEC_ROWS rows: the projections stay oneDNN's
         torch._dynamo.mark_dynamic(graph_ctx.positions, 0, min=MATVEC_ROWS + 1, max=2**24)
@@ -138,11 +166,11 @@ class CompiledModel:
         return replayed if replayed is not None else self._run_decode(ctx)
 
     def _run_decode(self, ctx: StepContext) -> torch.Tensor:
-        """After its first run, a decode graph's layer calls check only the guards that tell
-        its graphs apart (layer 0's from the symbolic index's): a bucket's graphs have static
-        shapes and a fixed weight view, and that first run, through every layer, compiled all
-        of them. The full guards (hundreds: every weight, every context field) cost ~0.16 ms
-        a layer, 12 % of a SmolLM2 decode step on the AMX Xeon."""
+        """After its first run, a decode graph's layer calls skip dynamo's guards: a bucket's
+        one layer graph (its layer index symbolic) has static shapes and a fixed weight view,
+        and that first run, through every layer, checked them all. The full guards (hundreds:
+        every weight, every context field) cost ~0.16 ms a layer, 12 % of a SmolLM2 decode
+        step on the AMX Xeon."""
         torch._dynamo.mark_dynamic(ctx.meta.block_table, 1)  # one graph for every width
         model = self.decode_model if ctx.decode_weights else self.model
         rows = len(ctx.token_ids)
@@ -166,9 +194,11 @@ def _run_layers(layer_graph: Callable, model: nn.Module, ctx: StepContext,
     residual rather than None (x + 0 is x), so it takes the same graph as the others."""
     x = model.embed_tokens(ctx.token_ids)
     residual = torch.zeros_like(x)
-    # a layer's index is an int attribute of its modules: unspecialised, every layer after
-    # the first reuses one graph (the first compiles its own before dynamo sees a second value)
-    with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True):
+    # a layer's index is an int attribute of its modules: symbolic from the first call, so
+    # layer 0 takes the graph every other layer takes (left to dynamo, it would specialise
+    # layer 0's graph and learn the index varies only at layer 1: a graph more per kind, ~1 s
+    # of every compiled start-up even with inductor's code cached)
+    with torch.compiler.config.patch(dynamic_sources=LAYER_INDEX_SOURCE):
         for layer in model.layers:
             if dynamic_rows:
                 for rows in (x, residual):
@@ -179,14 +209,6 @@ def _run_layers(layer_graph: Callable, model: nn.Module, ctx: StepContext,
 
 def _layer(layer: nn.Module, x: torch.Tensor, residual: torch.Tensor,
            ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
-    # inference mode entered inside the graph: inductor cannot write the KV cache (a graph
-    # input) in a graph traced in inference mode (CausalLM.forward)
-    with torch.inference_mode():
-        return layer(x, residual, ctx)
-
-
-def _decode_layer(layer: nn.Module, x: torch.Tensor, residual: torch.Tensor,
-                  ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
     return layer(x, residual, ctx)
 
 

@@ -290,20 +290,23 @@ class KernelChoice:
         self.graph_rows_call_torch = pick.kernel == "torch"
 
     def choose_graph_steps(self, steps: dict[str, tuple[int, Callable[[bool], object]]],
+                           model_shape: tuple[int, ...], setup: str,
                            rounds: int = 3) -> dict[str, bool]:
         """compile=True on a CPU: each kind of step ("prompt", "decode": its row count, and a
         run of one through its compiled graphs (True) or eagerly) timed both ways, alternated;
-        a kind keeps its graphs unless eager is faster by MARGIN. On the AMX Xeon prompts gain
-        from the graphs (their small ops fuse) while a bf16 decode step is faster eagerly,
-        where it reads packed weights. A fixed number of runs (`rounds`), and not kept on disk:
-        it times the whole model, a second or two."""
-        keep = {}
+        a kind keeps its graphs unless eager is faster by MARGIN. A fixed number of runs
+        (`rounds`). Kept on disk like the other timings, under the model's shape and the
+        settings a step's speed depends on (`setup`): timing whole steps took 2-3 s of every
+        compiled start-up of SmolLM2 on the AMX Xeon."""
+        store, keep = TimingStore.open(), {}
         for kind, (rows, run) in steps.items():
-            seconds = _time_step(kind, {"graph": partial(run, True),
-                                        "eager": partial(run, False)}, rounds)
-            pick = Pick(f"graph-{kind}", (), rows, "graph", seconds)
+            candidates = {"graph": partial(run, True), "eager": partial(run, False)}
+            pick = store.get_or_time(Pick(f"graph-{kind}", model_shape, rows, "graph"),
+                                     self.dtype, candidates,
+                                     partial(_time_step, kind, candidates, rounds), setup)
             self.picks.append(pick)
             keep[kind] = pick.kernel == "graph"
+        store.save()
         return keep
 
     def _choose_decode_attention(self, store: "TimingStore", heads: tuple[int, int, int],
@@ -375,6 +378,7 @@ def _time_in_graph(kernels: dict[str, Callable], weights: list[torch.Tensor]) ->
     """Seconds for one row through copies of every weight (at least STREAMED_BYTES in all, one
     copy when the weights alone are more), each candidate compiled as one static graph, as a
     decode graph runs its projections."""
+    keep_compiled_code()
     count = max(1, min(MAX_COPIES, STREAMED_BYTES // sum(w.nbytes for w in weights)))
     copies = [w.clone() for _ in range(count) for w in weights]
     xs = {w.shape[1]: torch.randn(1, w.shape[1], dtype=w.dtype) for w in copies}
@@ -417,6 +421,14 @@ def cache_dir() -> Path:
                 or Path.home() / ".cache" / "prefill-engine")
 
 
+def keep_compiled_code() -> str:
+    """Where inductor keeps the code it generates: the engine's cache folder (beside the kernel
+    timings), so a start-up after a reboot or a cleaned /tmp (torch's default) finds its
+    graphs compiled. A folder the user or an earlier compile in this process chose is kept,
+    so this runs before a rank's first compile (inductor fixes its folder then)."""
+    return os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
+
+
 TIMING_METHOD = "v2"  # part of each kept timing's key: a change of method measures again
 
 
@@ -430,16 +442,14 @@ class TimingStore:
     @classmethod
     def open(cls) -> "TimingStore":
         path = cache_dir() / "kernel_timings.json"
-        try:
-            entries = json.loads(path.read_text())
-        except (OSError, ValueError):
-            entries = {}
-        return cls(path, entries if isinstance(entries, dict) else {})
+        return cls(path, read_whole(path))
 
     def get_or_time(self, pick: Pick, dtype: torch.dtype, candidates: dict[str, Callable],
-                    measure: Callable[[], dict[str, float]]) -> Pick:
-        """`pick` with the kept timings of exactly these candidates, or with new ones."""
+                    measure: Callable[[], dict[str, float]], setup: str = "") -> Pick:
+        """`pick` with the kept timings of exactly these candidates, or with new ones. `setup`:
+        what else the timing depends on, beyond the machine, the op and its shape."""
         key = f"{TIMING_METHOD}|{machine_key()}|{pick.op}|{dtype}|{pick.shape}|{pick.rows}"
+        key += f"|{setup}" if setup else ""
         kept = self.entries.get(key)
         if (isinstance(kept, dict) and set(kept) == set(candidates)
                 and all(isinstance(s, (int, float)) and s > 0 for s in kept.values())):
@@ -452,12 +462,25 @@ class TimingStore:
     def save(self) -> None:
         """Written whole, through a rename, so a reader never sees half a file; two ranks saving
         at once lose at most each other's new entries (measured again next time)."""
-        if not self.changed:
-            return
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(self.entries, indent=0, sort_keys=True))
-            os.replace(tmp, self.path)
-        except OSError:
-            pass  # a read-only home: the choice holds for this run, it is just not kept
+        if self.changed:
+            write_whole(self.path, self.entries)
+
+
+def read_whole(path: Path) -> dict:
+    """What `write_whole` kept at `path`; {} where nothing readable is."""
+    try:
+        entries = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return entries if isinstance(entries, dict) else {}
+
+
+def write_whole(path: Path, entries: dict) -> None:
+    """`entries` as JSON at `path`, through a rename, so a reader never sees half a file."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(entries, indent=0, sort_keys=True))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only home: the choice holds for this run, it is just not kept

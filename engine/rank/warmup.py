@@ -4,6 +4,7 @@ request's step timeout."""
 from __future__ import annotations
 
 import logging
+import os
 import time
 from typing import Callable, Sequence
 
@@ -27,8 +28,13 @@ def warm_up(run: RunStep, block_size: int, max_len: int, compiled: CompiledModel
             return time.perf_counter() - start
         except Exception as e:  # noqa: BLE001  an unsupported setup must not stop the engine
             compiled.usable = False
-            log.warning("compile=True failed on this setup (%s: %s); running eagerly instead",
-                        type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+            first = str(e).splitlines()[0] if str(e) else ""
+            folder = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+            # a compile killed midway leaves a cut file that fails every later start
+            hint = (f"; if a file it names is cut short, delete {folder} to compile afresh"
+                    if folder and folder in str(e) else "")
+            log.warning("compile=True failed on this setup (%s: %s); running eagerly instead%s",
+                        type(e).__name__, first, hint)
     _run_shapes(run, block_size, max_len, (1,), tuning_steps)
     return time.perf_counter() - start
 

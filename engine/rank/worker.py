@@ -167,7 +167,14 @@ class Worker:
             self.execute(batches[kind])
 
         steps = {kind: (b.num_tokens, partial(run, kind)) for kind, b in batches.items()}
-        compiled.graph_steps.update(self.kernels.choose_graph_steps(steps))
+        m, kernels = plan.model, self.kernels
+        shape = (m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim,
+                 m.intermediate_size, m.vocab_size)
+        setup = (f"{m.architecture} bias={m.qkv_bias} context={context} weights={plan.weights} "
+                 f"decode_dtype={plan.decode_dtype} backend={plan.backend} "
+                 f"block={plan.block_size} packed={sorted(kernels.packed_decode_shapes)} "
+                 f"graph_rows_torch={kernels.graph_rows_call_torch}")
+        compiled.graph_steps.update(kernels.choose_graph_steps(steps, shape, setup))
 
     def execute(self, batch: Batch) -> StepResult | None:
         """One step: prepare its context, run the model, then logits, scores and samples.
@@ -179,7 +186,8 @@ class Worker:
         if ctx.graph.startswith("decode"):
             logits = self._gathered(self.compiled.decode_logits(ctx), batch)
         else:
-            with torch.inference_mode():
+            # the layers graph runs under no_grad (CompiledModel.forward says why)
+            with torch.no_grad() if ctx.graph else torch.inference_mode():
                 x, residual = self.compiled.forward(ctx) if ctx.graph else model(ctx)
             logits = self._logits_model(model, batch).logits(x, residual, ctx.logits_indices)
             score = score_batch(self.model, x, residual, batch)  # None unless it scores rows
