@@ -1,6 +1,8 @@
 """The engine's GGUF header reader (engine.loading.gguf_file) against the `gguf` package's own
 GGUFReader: the same values and the same tensor bytes, and a clear error for a cut or foreign
 file."""
+import struct
+
 import gguf
 import numpy as np
 import pytest
@@ -105,3 +107,24 @@ def test_cut_and_foreign_files_are_refused(small_gguf, tmp_path):
     cut.write_bytes(whole[:4] + (3).to_bytes(4, "big") + whole[8:])  # a big-endian file
     with pytest.raises(ModelLoadError, match="big-endian"):
         GGUFFile(cut)
+
+
+def test_absurd_counts_are_refused_not_trusted(tmp_path):
+    """Counts and dims read from a corrupt header are checked against the file's length before
+    anything is allocated: a tensor of 2**40 x 2**40 values (its byte count past 2**63), and
+    2**62 tensors, keys or array items in a few dozen bytes."""
+    def string(text):
+        return struct.pack("<Q", len(text)) + text.encode()
+
+    header = b"GGUF" + struct.pack("<IQQ", 3, 1, 0)
+    huge = (string("t") + struct.pack("<I", 2) + struct.pack("<QQ", 2**40, 2**40)
+            + struct.pack("<IQ", int(Q.F32), 0))
+    strings = string("k") + struct.pack("<IIQ", 9, 8, 2**62)  # an array of 2**62 strings
+    cases = [(header + huge + bytes(64), "tensor 't' runs past its end"),
+             (b"GGUF" + struct.pack("<IQQ", 3, 2**62, 2**62), "inside its header"),
+             (b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + strings, "inside its header")]
+    path = tmp_path / "absurd.gguf"
+    for blob, match in cases:
+        path.write_bytes(blob)
+        with pytest.raises(ModelLoadError, match=match):
+            GGUFFile(path)

@@ -31,7 +31,8 @@ class Q4Blocks:
 
 
 def unpack(data: np.ndarray, type_name: str) -> Q4Blocks:
-    """`data`: [rows, bytes per row] of a Q4_0 or Q4_1 tensor, as GGUFReader maps it."""
+    """`data`: [rows, bytes per row] of a Q4_0 or Q4_1 tensor, as the GGUF file maps it
+    (engine.loading.gguf_file)."""
     size, has_min = _LAYOUTS[type_name]
     rows = data.shape[0]
     blocks = np.ascontiguousarray(data).reshape(rows, -1, size)

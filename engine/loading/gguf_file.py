@@ -14,6 +14,7 @@ u32 dims, u64 per dim, innermost first, u32 ggml type, u64 offset); padding to
 """
 from __future__ import annotations
 
+import math
 import mmap
 import struct
 from dataclasses import dataclass
@@ -149,7 +150,7 @@ class GGUFFile:
                 raise ValueError(f"tensor {name!r}: rows of {shape[-1]} values do not fill "
                                  f"{tensor_type.name} blocks of {block}")
             shape = (*shape[:-1], shape[-1] // block * block_bytes)
-        count = int(np.prod(shape, dtype=np.int64))
+        count = math.prod(shape)  # a Python int: absurd dims cannot wrap around
         if start + count * np.dtype(dtype).itemsize > len(self._map):
             raise ModelLoadError(
                 f"{self.path} is not a readable GGUF file (tensor {name!r} runs past its end at "

@@ -8,10 +8,11 @@ Xeon as whole-model graphs (BENCHMARKS.md).
 
 - A decode step (one new token per sequence, at most `DECODE_BUCKETS[-1]` sequences, nothing
   scored) runs its layers' graph with static shapes, then the final norm and this rank's slice
-  of the LM head as a graph of their own: its rows are padded to the next size bucket, and each
-  bucket is compiled once. Its float32 and bf16 projections become streaming multiply-and-sum
-  loops (engine.rank.gemm), its paged attention is tensor math over the block table (padded_decode)
-  and its small ops fuse, so a layer is its weight reads plus little else.
+  of the LM head, as a graph of their own for 1-2 rows and eagerly for more: its rows are
+  padded to the next size bucket, and each bucket is compiled once. Its float32 and bf16
+  projections of 1-2 rows become streaming multiply-and-sum loops (engine.rank.gemm), its
+  paged attention is tensor math over the block table (padded_decode) and its small ops fuse,
+  so a layer is its weight reads plus little else.
 - Any other step of more than MATVEC_ROWS tokens runs the layer graph with a dynamic token
   count; shorter ones (rare) run eagerly. The embedding runs eagerly: one row gather.
 - A one-rank CPU engine times each kind (prompt, decode) through its graphs and eagerly after
@@ -105,8 +106,11 @@ class CompiledModel:
         # which would specialise the layer index too
         self._decode_layer = {rows: torch.compile(_own_code(_layer, rows), fullgraph=True)
                               for rows in DECODE_BUCKETS}
+        # the head's graph only where its product streams (engine.rank.gemm): wider buckets'
+        # graphs called oneDNN as eager does, and each graph cost ~1 s of every start
         self._decode_head = {rows: torch.compile(_own_code(_decode_head, rows), dynamic=False,
-                                                 fullgraph=True) for rows in DECODE_BUCKETS}
+                                                 fullgraph=True)
+                             for rows in DECODE_BUCKETS if rows <= MATVEC_ROWS}
         self.cuda_graphs: DecodeGraphs | None = None  # on CUDA, once captured
 
     def capture_decode_graphs(self, cache: KVCache, kv_head_of_q: torch.Tensor,
@@ -180,7 +184,7 @@ class CompiledModel:
                 x, residual = _run_layers(self._decode_layer[rows], model, ctx,
                                           dynamic_rows=False)
             self._decode_ran.add(graphs)
-            return self._decode_head[rows](model, x, residual)
+            return self._decode_head.get(rows, _decode_head)(model, x, residual)
 
 
 def _own_code(fn: Callable, rows: int | None = None) -> Callable:

@@ -12,7 +12,8 @@ powers of 4 (1, 2-4, 5-16, ..., 1025-4096, more) and each bucket is timed at its
 length, and a decode step's one query by its context length.
 Timings are kept on disk per CPU model, torch version, thread count and shape
 (`$PREFILL_ENGINE_CACHE`, else ~/.cache/prefill-engine), so only the first start-up on a machine
-pays for them.
+pays for them; with compile=True so are whole steps timed through their graphs against eager
+(under the model's shape and the settings they depend on).
 """
 from __future__ import annotations
 
