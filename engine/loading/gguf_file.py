@@ -4,7 +4,7 @@ The `gguf` package's GGUFReader keeps every element of every array field as a nu
 own, with its byte offsets (for editing files in place). SmolLM2's tokenizer is two such arrays
 (49,152 tokens, 48,900 merges): reading them that way took 4.7 s of every start-up on the AMX
 Xeon, more than loading the weights. The engine only needs the values, so this reads them with
-`struct` from a read-only map of the file (~0.1 s). Tensor data stays mapped and is read
+`struct` from a read-only map of the file (0.19 s). Tensor data stays mapped and is read
 when a rank loads its slices.
 
 Layout (GGUF v2 and v3, little-endian): magic b"GGUF", u32 version, u64 tensor count, u64

@@ -29,7 +29,6 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import hashlib
-import os
 import platform
 import types
 from typing import Callable
@@ -66,12 +65,14 @@ def trust_probed_vector_isas() -> None:
     flags = cpu_vec_isa.x86_isa_checker()
     claimed = [str(isa) for isa in cpu_vec_isa.supported_vec_isa_list
                if all(flag in flags for flag in str(isa).split())]
+    if not claimed:
+        return  # nothing to probe
     compiler = get_cpp_compiler()
     version = hashlib.sha256(get_compiler_version_info(compiler).encode()).hexdigest()[:16]
     key = f"{machine_key()}|{compiler} {version}"
     path = cache_dir() / "vector_isas.json"
     kept = read_whole(path)
-    if not claimed or kept.get(key) != claimed:
+    if kept.get(key) != claimed:
         if [str(isa) for isa in cpu_vec_isa.valid_vec_isa_list()] != claimed:  # the probes
             return
         write_whole(path, {**kept, key: claimed})
@@ -88,7 +89,8 @@ class CompiledModel:
         which the decode graph runs when a step asks for it."""
         self.model, self.decode_model = model, decode_model or model
         keep_compiled_code()
-        trust_probed_vector_isas()
+        if all(p.device.type == "cpu" for p in model.parameters()):  # CPU code uses the ISAs
+            trust_probed_vector_isas()
         self.usable = True  # False once compiling failed here: eager from then on
         self.enabled = True  # off while the tracer watches the eager modules
         # (rows, decode_weights) of the decode graphs that have run once with every guard
