@@ -1,12 +1,11 @@
-"""One system's timings for bench.peers, in a process of its own (run by the peer's interpreter:
-this file imports only what that system needs). Prints one JSON line.
+"""One system for bench.peers, in a process of its own (run by the peer's interpreter: this file
+imports only what that system needs). It builds the system, prints `READY {"start_s": ...}`, then
+times the greedy calls bench.peers sends on stdin, one at a time (`serve`).
 
-    <python> bench/peer_run.py --system vllm --model DIR --dtype float32 --inputs inputs.json
+    <python> bench/peer_run.py --system vllm --model DIR --dtype float32 --threads 2
 
-Protocol, the same for every system: prefill = one call over the whole prompt that returns the
-first token, best of `repeats`; decode = n greedy tokens (64) after a prompt (256 tokens), timed as
-the best call of n + 1 tokens less the best call of 1 token (the time after the first token). Greedy,
-end-of-sequence ignored, prefix caching off, so every call computes the whole prompt.
+Every call is greedy, end-of-sequence ignored, prefix caching off, so each computes its whole
+prompt; bench.peers says what is timed.
 """
 from __future__ import annotations
 
@@ -89,29 +88,16 @@ def transformers(model: str, dtype: str, threads: int, settings: dict) -> Genera
 SYSTEMS = {"engine": engine, "transformers": transformers, "vllm": vllm, "llamacpp": llamacpp}
 
 
-def best_seconds(fn: Callable[[], object], repeats: int) -> float:
-    """(engine.observe.hardware has the same, but a peer's venv cannot import the engine)"""
-    return min(_seconds(fn) for _ in range(repeats))
-
-
-def _seconds(fn: Callable[[], object]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
-
-
-def measure(generate: Generate, inputs: dict, repeats: int) -> dict:
-    result: dict = {"prefill_tok_s": {}, "first_tokens": {}}
-    for name, ids in inputs["prefill"].items():
-        result["first_tokens"][name] = generate(ids, 1)  # also the warm-up of this length
-        seconds = best_seconds(lambda: generate(ids, 1), repeats)
-        result["prefill_tok_s"][name] = len(ids) / seconds
-    ids, n = inputs["decode"], inputs["decode_tokens"]
-    result["decode_tokens"] = generate(ids, n + 1)
-    first = best_seconds(lambda: generate(ids, 1), repeats)
-    whole = best_seconds(lambda: generate(ids, n + 1), max(2, repeats // 2))
-    result["decode_tok_s"] = n / max(whole - first, 1e-9)
-    return result
+def serve(generate: Generate) -> None:
+    """Answer timing requests from stdin until it closes: each line {"ids": [...], "n": k} runs
+    one greedy call of k new tokens and is answered `RESULT {"seconds": s, "tokens": [...]}`.
+    bench.peers sends the requests, to every system in turn."""
+    for line in sys.stdin:
+        request = json.loads(line)
+        start = time.perf_counter()
+        tokens = generate(request["ids"], request["n"])
+        seconds = time.perf_counter() - start
+        print("RESULT " + json.dumps({"seconds": seconds, "tokens": tokens}), flush=True)
 
 
 def main() -> None:
@@ -120,17 +106,13 @@ def main() -> None:
     ap.add_argument("--model", required=True)
     ap.add_argument("--dtype", required=True)
     ap.add_argument("--threads", type=int, required=True)
-    ap.add_argument("--inputs", required=True,
-                    help="JSON: {prefill: {name: ids}, decode: ids, decode_tokens: n}")
     ap.add_argument("--settings", default="{}", help="JSON: the system's own extra settings")
-    ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
     started = time.perf_counter()
     generate = SYSTEMS[args.system](args.model, args.dtype, args.threads,
                                     json.loads(args.settings))
-    start_s = time.perf_counter() - started
-    result = measure(generate, json.loads(Path(args.inputs).read_text()), args.repeats)
-    print("RESULT " + json.dumps({"start_s": start_s, **result}), flush=True)
+    print("READY " + json.dumps({"start_s": time.perf_counter() - started}), flush=True)
+    serve(generate)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """The engine beside the engines a user would pick instead: vLLM's CPU build and llama.cpp (and
 transformers), on this machine, one process per system and dtype, the same token ids, the same
-threads, greedy tokens compared. Tokens/s for prefill of 512 and 2048 tokens and for decode
-(bench/peer_run.py says how each is timed).
+threads, greedy tokens compared. Tokens/s for prefill of 512 and 2048 tokens and for decode,
+timed in turns: the processes of one dtype start one after another, then take every call of
+each round in turn (`interleaved` says what is timed), one call running at a time.
 
     bash scripts/setup_peers.sh            # once, opt-in: vLLM and llama.cpp in venvs of their own
     .venv/bin/python -m bench.peers --dtypes float32 bfloat16 --out peers.jsonl
@@ -19,6 +20,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -144,28 +146,112 @@ def write_dequantized_gguf(source: Path, target: Path, dtype: str) -> None:
     writer.close()
 
 
-def run_row(row: dict, inputs: Path, work: Path, args: argparse.Namespace) -> dict | None:
-    python, threads = interpreter(row["system"]), args.threads
-    if python is None:
-        print(f"skipped {row['label']}: no venv at {PEERS_DIR / row['system']} "
-              f"(bash scripts/setup_peers.sh {row['system']})", flush=True)
-        return None
-    path = weights(row["form"], work, args.model)
-    if path is None:
-        print(f"skipped {row['label']}: its weights are written from a GGUF model", flush=True)
-        return None
-    dtype = "float32" if row["dtype"] == "q4_1" else row["dtype"]
-    cmd = [str(python), str(RUNNER), "--system", row["system"], "--dtype", dtype,
-           "--model", path, "--threads", str(threads),
-           "--inputs", str(inputs), "--repeats", str(args.repeats),
-           "--settings", json.dumps(row.get("settings", {}))]
-    done = subprocess.run(cmd, env=peer_env(row["system"], threads), capture_output=True,
-                          text=True, cwd=RUNNER.parents[1])
-    line = next((l for l in done.stdout.splitlines() if l.startswith("RESULT ")), None)
-    if done.returncode != 0 or line is None:
-        print(f"FAILED {row['label']} (exit {done.returncode}):\n{done.stderr[-2000:]}", flush=True)
-        return None
-    return {**row, **json.loads(line.removeprefix("RESULT "))}
+class Peer:
+    """One row's system in its process (bench/peer_run.py), answering one timed call at a time."""
+
+    def __init__(self, row: dict, path: str, work: Path, threads: int):
+        dtype = "float32" if row["dtype"] == "q4_1" else row["dtype"]
+        cmd = [str(interpreter(row["system"])), str(RUNNER), "--system", row["system"],
+               "--dtype", dtype, "--model", path, "--threads", str(threads),
+               "--settings", json.dumps(row.get("settings", {}))]
+        self.row, self.log = row, work / f"{len(list(work.glob('*.log')))}.log"
+        with open(self.log, "w") as log:  # a file: a full stderr pipe would stall the peer
+            self.process = subprocess.Popen(cmd, env=peer_env(row["system"], threads),
+                                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                            stderr=log, text=True, cwd=RUNNER.parents[1])
+        self.start_s = self._answer("READY ")["start_s"]
+
+    def call(self, ids: list[int], n: int) -> tuple[float, list[int]]:
+        """(seconds, greedy tokens) of one call of n new tokens after `ids`."""
+        time.sleep(SETTLE_S)
+        self.process.stdin.write(json.dumps({"ids": ids, "n": n}) + "\n")
+        self.process.stdin.flush()
+        answer = self._answer("RESULT ")
+        return answer["seconds"], answer["tokens"]
+
+    def _answer(self, prefix: str) -> dict:
+        for line in self.process.stdout:  # a system may print lines of its own
+            if line.startswith(prefix):
+                return json.loads(line.removeprefix(prefix))
+        raise RuntimeError(f"{self.row['label']} exited ({self.process.wait()}):\n"
+                           f"{self.log.read_text()[-2000:]}")
+
+    def close(self) -> None:
+        try:
+            self.process.stdin.close()  # the peer's loop ends at the end of its input
+        except BrokenPipeError:  # it had exited already
+            pass
+        self.process.wait()
+
+
+# between calls to different processes: a peer's OpenMP threads may spin a while after its
+# last call (Intel's OpenMP, which vLLM preloads, waits 200 ms by default)
+SETTLE_S = 0.3
+
+
+def start_peers(rows: list[dict], work: Path, args: argparse.Namespace) -> list[Peer]:
+    """Each row's process, started one after another so each start-up is timed alone; a row
+    whose venv or weights are missing, or whose start fails, is skipped and said so."""
+    peers = []
+    for row in rows:
+        if interpreter(row["system"]) is None:
+            print(f"skipped {row['label']}: no venv at {PEERS_DIR / row['system']} "
+                  f"(bash scripts/setup_peers.sh {row['system']})", flush=True)
+            continue
+        path = weights(row["form"], work, args.model)
+        if path is None:
+            print(f"skipped {row['label']}: its weights are written from a GGUF model", flush=True)
+            continue
+        try:
+            peers.append(Peer(row, path, work, args.threads))
+        except RuntimeError as e:
+            print(f"FAILED {row['label']}: {e}", flush=True)
+    return peers
+
+
+def interleaved(peers: list[Peer], inputs: dict, repeats: int) -> list[dict]:
+    """Every row's timings, taken in turns: each round times every call of the protocol on
+    every peer before the next round (the order of the peers rotating), so a slow minute of a
+    shared machine falls on all of them, not on whichever ran then. Prefill = one call over the
+    whole prompt that returns the first token; decode = the call of n + 1 tokens less the call
+    of 1 (the time after the first token); each the best of `repeats` rounds, after one
+    untimed call of each (its tokens are the ones reported). A peer that fails is dropped,
+    and said so."""
+    ids, n = inputs["decode"], inputs["decode_tokens"]
+    calls = {**{f"prefill {k}": (v, 1) for k, v in inputs["prefill"].items()},
+             "decode first": (ids, 1), "decode whole": (ids, n + 1)}
+    tokens: dict[Peer, dict] = {p: {} for p in peers}
+    best: dict[Peer, dict] = {p: dict.fromkeys(calls, float("inf")) for p in peers}
+    for r in range(-1, repeats):  # round -1: the untimed first calls
+        for name, (prompt, new_tokens) in calls.items():
+            for p in peers[r % len(peers):] + peers[:r % len(peers)] if peers else []:
+                try:
+                    seconds, out = p.call(prompt, new_tokens)
+                except RuntimeError as e:
+                    print(f"FAILED {p.row['label']}: {e}", flush=True)
+                    peers.remove(p)
+                    continue
+                if r < 0:
+                    tokens[p][name] = out
+                else:
+                    best[p][name] = min(best[p][name], seconds)
+    return [{**p.row, "start_s": p.start_s,
+             "prefill_tok_s": {k: len(v) / best[p][f"prefill {k}"]
+                               for k, v in inputs["prefill"].items()},
+             "first_tokens": {k: tokens[p][f"prefill {k}"] for k in inputs["prefill"]},
+             "decode_tokens": tokens[p]["decode whole"],
+             "decode_tok_s": n / max(best[p]["decode whole"] - best[p]["decode first"], 1e-9)}
+            for p in peers]
+
+
+def dtype_groups(rows: list[dict]) -> list[list[dict]]:
+    """The rows of each dtype, whose processes live (and are timed in turns) together; the
+    4-bit llama.cpp row joins the last group, beside the engine's quantized rows."""
+    groups: dict[str, list[dict]] = {}
+    for row in rows:
+        key = row["dtype"] if row["dtype"] != "q4_1" or not groups else list(groups)[-1]
+        groups.setdefault(key, []).append(row)
+    return list(groups.values())
 
 
 def main() -> None:
@@ -188,15 +274,19 @@ def main() -> None:
                                               for n in args.lengths},
                                   "decode": random_ids(args.decode_prompt, vocab, seed=1),
                                   "decode_tokens": args.decode_tokens}))
-    print(f"{machine()}; {args.threads} threads per system; best of {args.repeats}", flush=True)
-    results = []
+    print(f"{machine()}; {args.threads} threads per system; best of {args.repeats} "
+          f"interleaved rounds", flush=True)
+    rows, results = rows_to_run(args.systems, args.dtypes), []
     with open(args.out, "w") as out:
-        for row in rows_to_run(args.systems, args.dtypes):
-            result = run_row(row, inputs, work, args)
-            if result is not None:
-                results.append(result)
-                out.write(json.dumps(result) + "\n")
-                out.flush()
+        for group in dtype_groups(rows):  # one dtype's processes at a time
+            peers = start_peers(group, work, args)
+            try:
+                for result in interleaved(peers, json.loads(inputs.read_text()), args.repeats):
+                    results.append(result)
+                    out.write(json.dumps(result) + "\n")
+            finally:
+                for peer in peers:
+                    peer.close()
     report(results, args.lengths)
 
 
