@@ -185,18 +185,21 @@ def test_nothing_compiles_inside_requests(eager, compiled):
     assert got == want and got_one == want_one
 
 
-def test_one_graph_serves_every_layer(tiny_model_dir, tmp_path, monkeypatch):
+def _graphs(compiled) -> dict:
+    """Every graph of a CompiledModel, by name."""
+    return {"layer": compiled._layer,
+            **{f"decode{r}": g for r, g in compiled._decode_layer.items()},
+            **{f"head{r}": g for r, g in compiled._decode_head.items()}}
+
+
+def test_one_graph_serves_every_layer_and_later_starts_load_it(tiny_model_dir, tmp_path,
+                                                               monkeypatch):
     """A six-layer model compiles one graph of each layer function, whatever its depth (the
-    layer index symbolic from layer 0 on: before, layer 0 compiled a graph of its own), and
-    one head graph per bucket of 1-2 rows; and it answers as eager does, so every layer run
-    through a shared graph read its own weights and its own slice of the cache (decode steps
-    skip the guards once every layer has run)."""
-    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-
+    layer index symbolic from layer 0 on), and one head graph per bucket of 1-2 rows, and keeps
+    each on disk; the next start of the same setup loads every one and compiles none. Both
+    answer as eager does, so every layer run through a shared graph read its own weights and
+    its own slice of the cache (decode steps skip the guards once every layer has run)."""
     from engine.rank.compiled import CompiledModel
-
-    def graphs(fn) -> int:  # the graphs dynamo keeps for a compiled function's code
-        return len(_debug_get_cache_entry_list(fn._torchdynamo_orig_callable.__code__))
 
     made, real_init = [], CompiledModel.__init__
     monkeypatch.setattr(CompiledModel, "__init__",
@@ -205,22 +208,26 @@ def test_one_graph_serves_every_layer(tiny_model_dir, tmp_path, monkeypatch):
     with LLM(deep, compile=False, **SETTINGS) as llm:
         want_logits, want_tokens = _run(llm)
     mp = _graph_rows_timed(tmp_path, "multiply-and-sum")
+    compiles = []
     try:
-        with LLM(deep, compile=True, **SETTINGS) as llm:
-            [compiled] = made
-            counts = [graphs(compiled._layer)] + [graphs(g) for g in
-                                                  compiled._decode_layer.values()]
-            heads = [graphs(g) for g in compiled._decode_head.values()]
-            logits, tokens = _run(llm)
-            decode_graphs = {t.graph for t in llm.step_timings() if t.graph.startswith("decode")}
+        for _ in range(2):
+            with LLM(deep, compile=True, **SETTINGS) as llm:
+                logits, tokens = _run(llm)
+                decode_graphs = {t.graph for t in llm.step_timings()
+                                 if t.graph.startswith("decode")}
+            graphs = _graphs(made[-1])
+            compiles.append({name: g.compiles for name, g in graphs.items()})
+            assert not any(g.fell_back for g in graphs.values())
+            assert {"decode-4", "decode-8"} <= decode_graphs
+            for got, expected in zip(logits, want_logits):
+                torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+            assert tokens == want_tokens
     finally:
         mp.undo()
-    assert counts == [1] * (1 + len(compiled._decode_layer)), counts
-    assert heads == [1, 1]  # the head's graphs: 1 and 2 rows; 4 and 8 run it eagerly
-    assert {"decode-4", "decode-8"} <= decode_graphs
-    for got, expected in zip(logits, want_logits):
-        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
-    assert tokens == want_tokens
+    # the head's graphs: 1 and 2 rows; 4 and 8 run it eagerly
+    names = ["layer", "decode1", "decode2", "decode4", "decode8", "head1", "head2"]
+    assert compiles == [dict.fromkeys(names, 1), dict.fromkeys(names, 0)], compiles
+    assert sorted(f.name.split("-")[0] for f in (tmp_path / "graphs").iterdir()) == sorted(names)
 
 
 def test_short_context_warms_up_within_it(llama):
@@ -235,21 +242,23 @@ def test_short_context_warms_up_within_it(llama):
         assert {t.graph for t in llm.step_timings()} == {"layers", "decode-1"}
 
 
-def test_compile_failure_falls_back_to_eager(llama, want, caplog, monkeypatch):
+def test_compile_failure_falls_back_to_eager(llama, want, caplog, monkeypatch, tmp_path):
     """A backend that cannot compile this setup (here: one that always raises, as inductor
     does on a file in its cache cut short by a compile killed midway): the engine warns, names
     the folder to delete, and runs eagerly. Last of the engine tests in this file: it resets
-    dynamo, which the shared compiled engine must not meet afterwards."""
+    dynamo, which the shared compiled engine must not meet afterwards. Its cache folder is
+    its own: a graph kept by an earlier start would load without the backend."""
     import torch._dynamo
 
     folder = kernel_choice.keep_compiled_code()  # where this process's inductor writes
+    monkeypatch.setenv("PREFILL_ENGINE_CACHE", str(tmp_path))
 
     def broken_backend(graph, example_inputs):
         raise ImportError(f"{folder}/oo/c00.main.so: file too short")
 
     real_compile = torch.compile
-    monkeypatch.setattr(torch, "compile",
-                        lambda fn, **kwargs: real_compile(fn, backend=broken_backend, dynamic=True))
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: real_compile(
+        fn, backend=broken_backend, dynamic=True, fullgraph=True))
     want_logits, want_tokens = want
     torch._dynamo.reset()  # compile afresh, with the broken backend
     try:

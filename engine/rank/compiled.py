@@ -39,6 +39,7 @@ from torch import nn
 from engine.batch import Batch
 from engine.rank.cuda_graphs import DecodeGraphs, widths_up_to
 from engine.rank.graph_ops import LAYERS_GRAPH_OPS, running
+from engine.rank.kept_graphs import KeptGraph, graph_file
 from engine.rank.kernel_choice import (cache_dir, keep_compiled_code, machine_key, read_whole,
                                       write_whole)
 from engine.rank.kv_cache import KVCache
@@ -84,9 +85,12 @@ def trust_probed_vector_isas() -> None:
 class CompiledModel:
     """A rank's two kinds of graph, and which steps take which."""
 
-    def __init__(self, model: nn.Module, decode_model: nn.Module | None = None):
+    def __init__(self, model: nn.Module, decode_model: nn.Module | None = None,
+                 keep_key: str | None = None):
         """`decode_model`: the view whose projections read decode_dtype copies (decode_weights),
-        which the decode graph runs when a step asks for it."""
+        which the decode graph runs when a step asks for it. `keep_key`: what the graphs depend
+        on besides their code and tensor inputs (engine.rank.kept_graphs), to keep them on disk
+        under; None: compiled by every start (a GPU rank)."""
         self.model, self.decode_model = model, decode_model or model
         keep_compiled_code()
         if all(p.device.type == "cpu" for p in model.parameters()):  # CPU code uses the ISAs
@@ -99,20 +103,33 @@ class CompiledModel:
         # the step kinds that run their graphs: a CPU rank times each against eager after the
         # warm-up and keeps the faster (Worker._choose_graph_steps)
         self.graph_steps = {"prompt": True, "decode": True}
-        # torch.compile keeps graphs (and a limit of 8 recompiles) per code object: each kind
-        # of graph of each rank gets a code object of its own, so engines of other shapes in
-        # this process never push this one's graphs out to eager
-        self._layer = torch.compile(_own_code(_layer), fullgraph=True)  # token count dynamic
-        # each bucket's under a name of its own: dynamo learns which sizes vary per code name,
-        # and the buckets' row counts must not look like one dynamic size. Not dynamic=False,
-        # which would specialise the layer index too
-        self._decode_layer = {rows: torch.compile(_own_code(_layer, rows), fullgraph=True)
-                              for rows in DECODE_BUCKETS}
-        # the head's graph only where its product streams (engine.rank.gemm): wider buckets'
-        # graphs called oneDNN as eager does, and each graph cost ~1 s of every start
-        self._decode_head = {rows: torch.compile(_own_code(_decode_head, rows), dynamic=False,
-                                                 fullgraph=True)
-                             for rows in DECODE_BUCKETS if rows <= MATVEC_ROWS}
+
+        def graph(fn: Callable, name: str, rows: int | None = None, **options) -> KeptGraph:
+            # torch.compile keeps graphs (and a limit of 8 recompiles) per code object: each
+            # graph gets a code object of its own, so engines of other shapes in this process
+            # never push this one's graphs out to eager; and each bucket's a name of its own:
+            # dynamo learns which sizes vary per code name, and the buckets' row counts must
+            # not look like one dynamic size (nor dynamic=False, which would specialise the
+            # layer index too)
+            path = (graph_file(cache_dir() / "graphs", name, keep_key)
+                    if keep_key is not None else None)
+            return KeptGraph(_own_code(fn, rows), path, **options)
+
+        self._layer = graph(_layer, "layer", mark=_mark_rows)  # token count dynamic
+
+        def decode_graphs(view: str) -> tuple[dict[int, KeptGraph], dict[int, KeptGraph]]:
+            # the head's graph only where its product streams (engine.rank.gemm): wider
+            # buckets' graphs called oneDNN as eager does, and each graph cost ~1 s of a start
+            return ({rows: graph(_layer, f"decode{rows}{view}", rows, mark=_mark_table)
+                     for rows in DECODE_BUCKETS},
+                    {rows: graph(_decode_head, f"head{rows}{view}", rows, dynamic=False)
+                     for rows in DECODE_BUCKETS if rows <= MATVEC_ROWS})
+
+        self._decode_layer, self._decode_head = decode_graphs("")
+        # the decode view's weights are other inputs: graphs of their own (kept apart)
+        self._view_decode_layer, self._view_decode_head = (
+            decode_graphs("-view") if self.decode_model is not model
+            else (self._decode_layer, self._decode_head))
         self.cuda_graphs: DecodeGraphs | None = None  # on CUDA, once captured
 
     def capture_decode_graphs(self, cache: KVCache, kv_head_of_q: torch.Tensor,
@@ -150,10 +167,8 @@ class CompiledModel:
         cannot write the KV cache (its input), and entering inference mode inside the graph
         keeps AOTAutograd from caching it (~4 s of every compiled start-up on the AMX Xeon)."""
         graph_ctx = dataclasses.replace(ctx, meta=None, ops=LAYERS_GRAPH_OPS)
-        # > MATVEC_ROWS rows: the projections stay oneDNN's
-        torch._dynamo.mark_dynamic(graph_ctx.positions, 0, min=MATVEC_ROWS + 1, max=2**24)
         with running(ctx):
-            return _run_layers(self._layer, self.model, graph_ctx, dynamic_rows=True)
+            return _run_layers(self._layer, self.model, graph_ctx)
 
     def decode_context(self, batch: Batch, cache: KVCache, kv_head_of_q: torch.Tensor,
                        rows: int, decode_weights: bool) -> StepContext:
@@ -172,21 +187,24 @@ class CompiledModel:
         return replayed if replayed is not None else self._run_decode(ctx)
 
     def _run_decode(self, ctx: StepContext) -> torch.Tensor:
-        """After its first run, a decode graph's layer calls skip dynamo's guards: a bucket's
-        one layer graph (its layer index symbolic) has static shapes and a fixed weight view,
-        and that first run, through every layer, checked them all. The full guards (hundreds:
+        """After its first run, a decode graph's layer calls skip their guards: a bucket's one
+        layer graph (its layer index symbolic) has static shapes and a fixed weight view, and
+        that first run, through every layer, checked them all. The full guards (hundreds:
         every weight, every context field) cost ~0.16 ms a layer, 12 % of a SmolLM2 decode
         step on the AMX Xeon."""
-        torch._dynamo.mark_dynamic(ctx.meta.block_table, 1)  # one graph for every width
         model = self.decode_model if ctx.decode_weights else self.model
         rows = len(ctx.token_ids)
+        layers, heads = ((self._view_decode_layer, self._view_decode_head) if ctx.decode_weights
+                         else (self._decode_layer, self._decode_head))
         graphs = (rows, ctx.decode_weights)
         with torch.no_grad():
             with torch.compiler.set_stance(skip_guard_eval_unsafe=graphs in self._decode_ran):
-                x, residual = _run_layers(self._decode_layer[rows], model, ctx,
-                                          dynamic_rows=False)
-            self._decode_ran.add(graphs)
-            return self._decode_head.get(rows, _decode_head)(model, x, residual)
+                x, residual = _run_layers(layers[rows], model, ctx)
+            if graphs not in self._decode_ran:
+                self._decode_ran.add(graphs)
+                if isinstance(layers[rows], KeptGraph):
+                    layers[rows].trust()
+            return heads.get(rows, _decode_head)(model, x, residual)
 
 
 def _own_code(fn: Callable, rows: int | None = None) -> Callable:
@@ -194,8 +212,8 @@ def _own_code(fn: Callable, rows: int | None = None) -> Callable:
     return types.FunctionType(fn.__code__.replace(co_name=name), fn.__globals__, name)
 
 
-def _run_layers(layer_graph: Callable, model: nn.Module, ctx: StepContext,
-                dynamic_rows: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _run_layers(layer_graph: Callable, model: nn.Module,
+                ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
     """Embed eagerly, then every layer through `layer_graph`. The first layer gets a zero
     residual rather than None (x + 0 is x), so it takes the same graph as the others."""
     x = model.embed_tokens(ctx.token_ids)
@@ -206,11 +224,22 @@ def _run_layers(layer_graph: Callable, model: nn.Module, ctx: StepContext,
     # of every compiled start-up even with inductor's code cached)
     with torch.compiler.config.patch(dynamic_sources=LAYER_INDEX_SOURCE):
         for layer in model.layers:
-            if dynamic_rows:
-                for rows in (x, residual):
-                    torch._dynamo.mark_dynamic(rows, 0, min=MATVEC_ROWS + 1, max=2**24)
             x, residual = layer_graph(layer, x, residual, ctx)
     return x, residual
+
+
+def _mark_rows(layer: nn.Module, x: torch.Tensor, residual: torch.Tensor,
+               ctx: StepContext) -> None:
+    """The layers graph's token count is dynamic, above MATVEC_ROWS (its projections stay
+    oneDNN's)."""
+    for rows in (x, residual, ctx.positions):
+        torch._dynamo.mark_dynamic(rows, 0, min=MATVEC_ROWS + 1, max=2**24)
+
+
+def _mark_table(layer: nn.Module, x: torch.Tensor, residual: torch.Tensor,
+                ctx: StepContext) -> None:
+    """A decode graph's block table width is dynamic: one graph for every context length."""
+    torch._dynamo.mark_dynamic(ctx.meta.block_table, 1)
 
 
 def _layer(layer: nn.Module, x: torch.Tensor, residual: torch.Tensor,

@@ -23,7 +23,8 @@ from engine.rank.context_parallel import ContextParallelSteps, context_parallel_
 from engine.rank.decode_weights import decode_view
 from engine.rank.host_memory import keep_freed_memory
 from engine.rank.kernels.launch_config import tuning_steps
-from engine.rank.kernel_choice import STREAMED_ROWS, KernelChoice, projection_weights
+from engine.rank.kernel_choice import (STREAMED_ROWS, KernelChoice, machine_key,
+                                      projection_weights)
 from engine.rank.kv_cache import KVCache
 from engine.rank.model import CausalLM
 from engine.rank.overlap import with_halves
@@ -89,7 +90,8 @@ class Worker:
                         if groups is not None else None)
         self._tracer: OpTracer | None = None
         # graphs read decode_dtype copies, never packed ones (oneDNN's opaque layout)
-        self.compiled = (CompiledModel(self.model, self.decode_model if plan.decode_dtype else None)
+        self.compiled = (CompiledModel(self.model, self.decode_model if plan.decode_dtype else None,
+                                       self._graph_key())
                          if plan.compile else None)
         self.warmup_s = self._warm_up()
 
@@ -103,6 +105,18 @@ class Worker:
         if self.plan.compile:
             self.kernels.choose_graph_rows(projection_weights(self.model))
         return time.perf_counter() - started
+
+    def _graph_key(self) -> str | None:
+        """What this rank's compiled graphs depend on besides their code and tensor inputs,
+        to keep them on disk under (engine.rank.kept_graphs); None on a GPU, whose graphs
+        every start compiles."""
+        plan = self.plan
+        if plan.on_cuda:
+            return None
+        return (f"{machine_key()}|{plan.model!r}|{self.shard!r} cp={plan.cp}|dtype={plan.dtype} "
+                f"decode_dtype={plan.decode_dtype} weights={plan.weights} backend={plan.backend} "
+                f"block={plan.block_size} max_len={plan.max_model_len} "
+                f"overlap={plan.overlap_comm} graph_rows_torch={self.kernels.graph_rows_call_torch}")
 
     def _decode_view(self) -> tuple[torch.nn.Module | None, int]:
         """The model view decode steps run (engine.rank.decode_weights): decode_dtype copies,

@@ -1,0 +1,90 @@
+"""engine.rank.kept_graphs: a compiled graph kept on disk is loaded by the next start instead of
+compiled; a kept graph that does not fit its call (its guards reject it) is replaced, one that
+cannot be read is compiled again with a warning, and every answer equals the function's own
+(an eager reference). Keys: another setup, another source, another file."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from engine.rank import kept_graphs
+from engine.rank.kept_graphs import KeptGraph, graph_file
+
+
+def scaled_sum(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return (x * w).sum(-1) * 0.5
+
+
+@pytest.fixture(autouse=True)
+def own_inductor_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+
+
+def test_a_kept_graph_is_loaded_not_compiled(tmp_path):
+    path = tmp_path / "g.bin"
+    x, w = torch.randn(4, 8), torch.randn(8)
+    first = KeptGraph(scaled_sum, path)
+    torch.testing.assert_close(first(x, w), scaled_sum(x, w))
+    assert first.compiles == 1 and path.exists()
+    second = KeptGraph(scaled_sum, path)  # a later start
+    torch.testing.assert_close(second(x, w), scaled_sum(x, w))
+    second.trust()
+    torch.testing.assert_close(second(x + 1, w), scaled_sum(x + 1, w))
+    assert second.compiles == 0 and not second.fell_back
+
+
+def test_a_kept_graph_that_does_not_fit_is_replaced(tmp_path):
+    """A kept file whose guards reject the call (here: float64 inputs for a float32 graph, as
+    a key that missed a setting would give) is compiled again and kept in its place; within one
+    run, a second misfit falls back to plain torch.compile, still right."""
+    path = tmp_path / "g.bin"
+    KeptGraph(scaled_sum, path)(torch.randn(4, 8), torch.randn(8))
+    x, w = torch.randn(4, 8, dtype=torch.float64), torch.randn(8, dtype=torch.float64)
+    stale = KeptGraph(scaled_sum, path)
+    torch.testing.assert_close(stale(x, w), scaled_sum(x, w))
+    assert stale.compiles == 1 and not stale.fell_back
+    x16, w16 = torch.randn(4, 8, dtype=torch.bfloat16), torch.randn(8, dtype=torch.bfloat16)
+    torch.testing.assert_close(stale(x16, w16), scaled_sum(x16, w16))
+    assert stale.fell_back
+    again = KeptGraph(scaled_sum, path)  # the float64 graph was kept
+    torch.testing.assert_close(again(x, w), scaled_sum(x, w))
+    assert again.compiles == 0
+
+
+def test_an_unreadable_kept_graph_is_compiled_again(tmp_path, caplog):
+    path = tmp_path / "g.bin"
+    x, w = torch.randn(4, 8), torch.randn(8)
+    KeptGraph(scaled_sum, path)(x, w)
+    path.write_bytes(path.read_bytes()[:100])  # cut, as a killed write would leave it
+    graph = KeptGraph(scaled_sum, path)
+    with caplog.at_level(logging.WARNING, logger="engine"):
+        torch.testing.assert_close(graph(x, w), scaled_sum(x, w))
+    assert graph.compiles == 1
+    assert "could not load the compiled graph" in caplog.text and str(path) in caplog.text
+    assert KeptGraph(scaled_sum, path)(x, w) is not None  # rewritten whole
+
+
+def test_dynamic_sizes_are_marked_before_compiling_only(tmp_path):
+    """A kept graph compiled with a dynamic size serves other sizes after loading, unmarked."""
+    path = tmp_path / "g.bin"
+
+    def mark(x, w):
+        torch._dynamo.mark_dynamic(x, 0)
+
+    KeptGraph(scaled_sum, path, mark=mark)(torch.randn(4, 8), torch.randn(8))
+    loaded = KeptGraph(scaled_sum, path, mark=mark)
+    for rows in (3, 9):
+        x, w = torch.randn(rows, 8), torch.randn(8)
+        torch.testing.assert_close(loaded(x, w), scaled_sum(x, w))
+    assert loaded.compiles == 0 and not loaded.fell_back
+
+
+def test_keys_name_the_setup_and_the_source(tmp_path, monkeypatch):
+    a = graph_file(tmp_path, "layer", "setup A")
+    assert a == graph_file(tmp_path, "layer", "setup A")
+    assert a != graph_file(tmp_path, "layer", "setup B")
+    assert a != graph_file(tmp_path, "decode1", "setup A")
+    monkeypatch.setattr(kept_graphs, "source_digest", lambda: "an edited engine")
+    assert a != graph_file(tmp_path, "layer", "setup A")
