@@ -48,7 +48,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"  # auto: triton on CUDA, torch on CPU
     num_threads: int | None = None
-    compile: bool | None = None  # torch.compile the layers; None: on CUDA only (see BENCHMARKS.md)
+    compile: bool | None = None  # torch.compile the layers; None: engine.plan.compiles decides
     kv_handle_ttl_s: float = 300.0  # an exported KVHandle's blocks are reclaimed after this
     # "bfloat16": decode steps read bf16 copies of the projection weights (float32 models on a
     # CPU; +50 % weight memory); None: every step reads the model's own weights
@@ -94,7 +94,7 @@ class EngineConfig:
             _require(isinstance(getattr(self, name), bool),
                      f"{name}={getattr(self, name)!r}: use True or False")
         _require(self.compile is None or isinstance(self.compile, bool),
-                 f"compile={self.compile!r}: use True, False or None (on CUDA only)")
+                 f"compile={self.compile!r}: use True, False or None (the engine decides)")
         for name in ("ray_address", "socket_ifname"):
             value = getattr(self, name)
             _require(value is None or isinstance(value, str), f"{name}={value!r}: use None or text")

@@ -140,8 +140,7 @@ def make_plan(cfg: EngineConfig, source: str, mc: ModelConfig) -> EnginePlan:
     num_blocks = _num_blocks(cfg, mc, heads, max_model_len)
     plan = EnginePlan(source, mc, cfg.tp, cfg.device, cfg.torch_dtype, backend, max_model_len,
                       cfg.block_size, num_blocks, cfg.num_threads,
-                      # cp > 1 runs eagerly (compile=True is refused with it)
-                      cfg.device != "cpu" and cfg.cp == 1 if cfg.compile is None else cfg.compile,
+                      compiles(cfg),
                       heads,
                       even_ranges(mc.intermediate_size, cfg.tp), even_ranges(mc.vocab_size, cfg.tp),
                       overlap_comm=cfg.overlap_comm, cp=cfg.cp,
@@ -151,6 +150,24 @@ def make_plan(cfg: EngineConfig, source: str, mc: ModelConfig) -> EnginePlan:
     if cfg.weights in ("int4", "gguf"):
         check_int4_shapes(plan)
     return plan
+
+
+def compiles(cfg: EngineConfig) -> bool:
+    """compile=True/False as set. Unset: on for CUDA (with cp = 1: context parallelism runs
+    eagerly), and on a CPU for a one-rank bfloat16 engine that times its kernels, where oneDNN
+    multiplies bf16 (AMX or AVX512-BF16). There its graphs ran bf16 prompts 10-40 % and decode
+    steps 26-40 % faster than eager on the AMX Xeon, and start in 12 s once kept on disk (92 s
+    the first time: engine.rank.kept_graphs); the rank still runs each kind of step eagerly
+    where it times faster so. float32 stays eager: its graphs decoded no faster there, and
+    sped prompts up by ~10 % (BENCHMARKS.md)."""
+    if cfg.compile is not None:
+        return cfg.compile
+    if cfg.device != "cpu":
+        return cfg.cp == 1
+    from engine.rank import gemm
+
+    return (cfg.torch_dtype == torch.bfloat16 and gemm.HAVE_ONEDNN_BF16 and cfg.tp == cfg.cp == 1
+            and cfg.weights is None and cfg.kernel_choice == "measure")
 
 
 def _num_blocks(cfg: EngineConfig, mc: ModelConfig, heads: list[HeadPartition],

@@ -260,14 +260,16 @@ def _calls_of_the_pick(monkeypatch, tiny_model_dir, kernel: str, prompts: list[l
                        **settings) -> tuple[dict, dict, list[str], int]:
     """`prompts` (6 greedy tokens each) with the timed choice and with the fixed one, counting
     the rows of every call of kc.<kernel>: (rows of each call, tokens: both per choice; the
-    timed choice's kernel lines; the model's layer count)."""
+    timed choice's kernel lines; the model's layer count). Eager steps (compile=False): a
+    bf16 engine that times its kernels compiles by default, and graphs run no picked kernel."""
     picked, rows = getattr(kc, kernel), []
     monkeypatch.setattr(kc, kernel, lambda x, *rest: rows.append(len(x)) or picked(x, *rest))
     path = tiny_model_dir("llama")
     layers = json.loads((path / "config.json").read_text())["num_hidden_layers"]
     calls, outs = {}, {}
     for choice in ("measure", "fixed"):
-        with LLM(str(path), kernel_choice=choice, max_num_batched_tokens=64, **settings) as llm:
+        with LLM(str(path), kernel_choice=choice, max_num_batched_tokens=64, compile=False,
+                 **settings) as llm:
             rows.clear()
             outs[choice] = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=6))]
             calls[choice] = list(rows)
@@ -328,8 +330,9 @@ def test_bf16_decode_reads_packed_copies_where_they_won(tiny_model_dir, cache, m
     monkeypatch.setattr(gemm, "_low_precision",
                         lambda x, w, b: packed_products.append(len(x)) or low_precision(x, w, b))
     outs, infos, prompt_logits, reads = {}, {}, {}, {}
-    for choice in ("measure", "fixed"):
-        with LLM(path, dtype="bfloat16", kernel_choice=choice, max_num_batched_tokens=64) as llm:
+    for choice in ("measure", "fixed"):  # eager steps: decode graphs read no packed copies
+        with LLM(path, dtype="bfloat16", kernel_choice=choice, max_num_batched_tokens=64,
+                 compile=False) as llm:
             [infos[choice]] = llm.rank_info()
             packed_products.clear()
             prompt_logits[choice] = [o.logits for o in llm.prefill(prompts)]

@@ -30,3 +30,28 @@ def test_block_count_by_hand_for_smollm2_at_tp1_and_tp2():
     plan = make_plan(EngineConfig(tp=2), "smollm2", ckpt.config)
     assert plan.num_blocks == GIB // 2 // (2 * 30 * 2 * 64 * 4 * 16)  # the rank with 2 KV heads
     assert [h.num_q_heads for h in plan.heads] == [6, 3] and plan.backend == "torch"
+
+
+@pytest.mark.parametrize("onednn_bf16", [True, False])
+def test_compile_unset_is_on_for_cuda_and_for_one_rank_bf16_where_onednn_runs_bf16(
+        monkeypatch, onednn_bf16):
+    """compile=None: CUDA compiles (not with cp > 1); a CPU compiles only a one-rank bfloat16
+    engine that times its kernels, unquantized, on a CPU whose oneDNN multiplies bf16; a set
+    value always stands."""
+    from engine.plan import compiles
+    from engine.rank import gemm
+
+    monkeypatch.setattr(gemm, "HAVE_ONEDNN_BF16", onednn_bf16)
+
+    def decided(**settings) -> bool:
+        return compiles(EngineConfig.from_kwargs(model="smollm2", **settings))
+
+    assert decided(dtype="bfloat16") is onednn_bf16
+    assert decided(dtype="bfloat16", compile=True) and not decided(dtype="bfloat16", compile=False)
+    assert decided(compile=True)
+    assert not decided()  # float32
+    for other in (dict(tp=2), dict(cp=2, enable_prefix_caching=False), dict(weights="int8"),
+                  dict(kernel_choice="fixed")):
+        assert not decided(dtype="bfloat16", **other), other
+    # (built unchecked: this torch has no CUDA to validate against)
+    assert compiles(EngineConfig(device="cuda")) and not compiles(EngineConfig(device="cuda", cp=2))

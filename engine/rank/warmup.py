@@ -33,8 +33,8 @@ def warm_up(run: RunStep, block_size: int, max_len: int, compiled: CompiledModel
             # a compile killed midway leaves a cut file that fails every later start
             hint = (f"; if a file it names is cut short, delete {folder} to compile afresh"
                     if folder and folder in str(e) else "")
-            log.warning("compile=True failed on this setup (%s: %s); running eagerly instead%s",
-                        type(e).__name__, first, hint)
+            log.warning("compiling the layers failed on this setup (%s: %s); running eagerly "
+                        "instead%s; compile=False skips compiling", type(e).__name__, first, hint)
     _run_shapes(run, block_size, max_len, (1,), tuning_steps)
     return time.perf_counter() - start
 
