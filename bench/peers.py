@@ -47,6 +47,9 @@ def rows_to_run(systems: list[str], dtypes: list[str]) -> list[dict]:
         if "engine-gguf" in systems:
             rows.append(dict(label="engine, weights=gguf (Q4_1 as stored)", system="engine",
                              dtype=dtype, form="gguf", settings={"weights": "gguf"}))
+        if "engine-eager" in systems:  # where compile is on by default (engine.plan.compiles)
+            rows.append(dict(label="engine, compile=False", system="engine", dtype=dtype,
+                             form="gguf", settings={"compile": False}))
         if "engine-compile" in systems:
             rows.append(dict(label="engine, compile=True", system="engine", dtype=dtype,
                              form="gguf", settings={"compile": True}))
@@ -258,7 +261,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--systems", nargs="+", default=["engine", "transformers", "vllm", "llamacpp"],
                     choices=["engine", "engine-fixed", "engine-int8", "engine-gguf",
-                             "engine-compile", "transformers", "vllm", "llamacpp"])
+                             "engine-eager", "engine-compile", "transformers", "vllm",
+                             "llamacpp"])
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--repeats", type=int, default=5)
