@@ -41,9 +41,12 @@ def source_digest() -> str:
 
 
 def graph_file(folder: Path, name: str, key: str) -> Path:
-    """Where graph `name` compiled under `key` is kept."""
-    digest = hashlib.sha256(f"{key}|{source_digest()}|{torch.__version__}".encode()).hexdigest()
-    return folder / f"{name}-{digest[:24]}.bin"
+    """Where graph `name` compiled under `key` is kept: named by the graph, its setup and its
+    code (the engine's source, torch), so a graph compiled from newer code replaces the older
+    one of the same setup (KeptGraph._compile) instead of piling up beside it."""
+    setup = hashlib.sha256(key.encode()).hexdigest()[:16]
+    code = hashlib.sha256(f"{source_digest()}|{torch.__version__}".encode()).hexdigest()[:16]
+    return folder / f"{name}-{setup}-{code}.bin"
 
 
 class KeptGraph:
@@ -99,6 +102,10 @@ class KeptGraph:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             kept.save_compiled_function(str(self.path))
+            older = self.path.stem.rsplit("-", 1)[0]  # this graph and setup, other code
+            for stale in self.path.parent.glob(f"{older}-*.bin"):
+                if stale != self.path:
+                    stale.unlink(missing_ok=True)
         except OSError as e:  # a read-only cache: the graph serves this run only
             log.info("could not keep a compiled graph at %s: %s", self.path, e)
         return kept
