@@ -184,10 +184,9 @@ class Worker:
         m, kernels = plan.model, self.kernels
         shape = (m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim,
                  m.intermediate_size, m.vocab_size)
-        setup = (f"{m.architecture} bias={m.qkv_bias} context={context} weights={plan.weights} "
-                 f"decode_dtype={plan.decode_dtype} backend={plan.backend} "
-                 f"block={plan.block_size} packed={sorted(kernels.packed_decode_shapes)} "
-                 f"graph_rows_torch={kernels.graph_rows_call_torch}")
+        # what the graphs depend on, and what the eager steps read beside them
+        setup = (f"{self._graph_key()} context={context} "
+                 f"packed={sorted(kernels.packed_decode_shapes)}")
         compiled.graph_steps.update(kernels.choose_graph_steps(steps, shape, setup))
 
     def execute(self, batch: Batch) -> StepResult | None:
