@@ -153,8 +153,6 @@ def _check_weights(cfg: EngineConfig) -> None:
     _require(cfg.decode_dtype is None,
              f"{name} with decode_dtype={cfg.decode_dtype!r}: decode already reads the "
              f"quantized weights; unset decode_dtype")
-    _require(cfg.compile is not True,
-             f"{name} with compile=True: quantized weights run eagerly; set compile=False")
 
 
 def _check_context_parallel(cfg: EngineConfig) -> None:

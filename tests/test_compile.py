@@ -123,6 +123,20 @@ def test_graph_rows_through_torch_matmul_match_eager(llama, want, tmp_path):
         mp.undo()
 
 
+def test_quantized_weights_compiled_match_eager(llama, tmp_path):
+    """weights="int4" through the graphs (the weight-only kernel for decode graphs of up to
+    quantized.KERNEL_ROWS rows, the weight dequantized in the graph above that and in the
+    prompt graph) gives eager int4's logits and tokens."""
+    with LLM(llama, weights="int4", compile=False, **SETTINGS) as ref:
+        want = _run(ref)
+    mp = _graph_rows_timed(tmp_path, "multiply-and-sum")
+    try:
+        with LLM(llama, weights="int4", compile=True, **SETTINGS) as llm:
+            _check_compiled_run(llm, *want)
+    finally:
+        mp.undo()
+
+
 @pytest.mark.parametrize("eager_kind", ["decode", "prompt"])
 def test_a_step_kind_timed_faster_eagerly_runs_eagerly(llama, want, tmp_path, eager_kind):
     """After the warm-up a CPU rank times a prompt and a decode step through their graphs and

@@ -36,8 +36,8 @@ def test_block_count_by_hand_for_smollm2_at_tp1_and_tp2():
 def test_compile_unset_is_on_for_cuda_and_for_one_rank_bf16_where_onednn_runs_bf16(
         monkeypatch, onednn_bf16):
     """compile=None: CUDA compiles (not with cp > 1); a CPU compiles only a one-rank bfloat16
-    engine that times its kernels, unquantized, on a CPU whose oneDNN multiplies bf16; a set
-    value always stands."""
+    engine that times its kernels (its weights quantized or not), on a CPU whose oneDNN
+    multiplies bf16; a set value always stands."""
     from engine.plan import compiles
     from engine.rank import gemm
 
@@ -49,9 +49,9 @@ def test_compile_unset_is_on_for_cuda_and_for_one_rank_bf16_where_onednn_runs_bf
     assert decided(dtype="bfloat16") is onednn_bf16
     assert decided(dtype="bfloat16", compile=True) and not decided(dtype="bfloat16", compile=False)
     assert decided(compile=True)
-    assert not decided()  # float32
-    for other in (dict(tp=2), dict(cp=2, enable_prefix_caching=False), dict(weights="int8"),
-                  dict(kernel_choice="fixed")):
+    assert not decided() and not decided(weights="int4")  # float32
+    assert decided(dtype="bfloat16", weights="int4") is onednn_bf16
+    for other in (dict(tp=2), dict(cp=2, enable_prefix_caching=False), dict(kernel_choice="fixed")):
         assert not decided(dtype="bfloat16", **other), other
     # (built unchecked: this torch has no CUDA to validate against)
     assert compiles(EngineConfig(device="cuda")) and not compiles(EngineConfig(device="cuda", cp=2))

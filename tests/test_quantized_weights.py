@@ -181,7 +181,6 @@ def test_smollm2_gguf_blocks_as_stored(smollm2_path, smollm2_llm):
     (dict(weights=4), "weights=4"),
     (dict(weights="int8", dtype="float16"), "use dtype='float32' or 'bfloat16'"),
     (dict(weights="int4", decode_dtype="bfloat16"), "unset decode_dtype"),
-    (dict(weights="int8", compile=True), "set compile=False"),
     (dict(weights="gguf"), "needs a .gguf checkpoint"),
 ])
 def test_bad_settings_are_refused(tiny_model_dir, settings, named):

@@ -13,7 +13,7 @@ Xeon as whole-model graphs (BENCHMARKS.md).
   projections of 1-2 rows become streaming multiply-and-sum loops (engine.rank.gemm), its
   paged attention is tensor math over the block table (padded_decode) and its small ops fuse,
   so a layer is its weight reads plus little else.
-- Any other step of more than MATVEC_ROWS tokens runs the layer graph with a dynamic token
+- Any other step of more than EAGER_ROWS tokens runs the layer graph with a dynamic token
   count; shorter ones (rare) run eagerly. The embedding runs eagerly: one row gather.
 - A one-rank CPU engine times each kind (prompt, decode) through its graphs and eagerly after
   the warm-up, and runs a kind eagerly where that is faster (`graph_steps`, set by the Worker).
@@ -48,10 +48,16 @@ from engine.rank.kv_cache import KVCache
 from engine.rank.padded_decode import pad_decode_step
 from engine.rank.step_context import StepContext
 from engine.rank.gemm import MATVEC_ROWS
+from engine.rank.quantized import KERNEL_ROWS
 
 DECODE_BUCKETS = (1, 2, 4, 8)
 # dynamo's name for a layer's index (KVStore's and PagedAttention's layer_idx), as a pattern
 LAYER_INDEX_SOURCE = r".*\.layer_idx$"
+# Steps of at most this many tokens (not decode graphs') run eagerly: a projection picks its
+# product by its row count (engine.rank.gemm's streaming loop up to MATVEC_ROWS, a quantized
+# weight's kernel up to KERNEL_ROWS), and a layers graph whose dynamic token count started at
+# or below either threshold would guard on it
+EAGER_ROWS = max(MATVEC_ROWS, KERNEL_ROWS)
 
 
 def trust_probed_vector_isas() -> None:
@@ -148,12 +154,12 @@ class CompiledModel:
     def runs_layers(self, num_tokens: int, decode: bool) -> bool:
         """Whether a step of `num_tokens` (not a decode graph's) runs the layers graph: a
         prompt (or mixed) step where prompts keep their graphs, a decode step too wide for the
-        decode graphs where decode steps keep theirs. Steps of at most MATVEC_ROWS tokens run
+        decode graphs where decode steps keep theirs. Steps of at most EAGER_ROWS tokens run
         eagerly: with them in its range, the graph's token count could not tell its
         projections which product to take without a guard, and such steps (a prompt's last 2
         tokens, say) are rare and short."""
         kind = "decode" if decode else "prompt"
-        return self.active and self.graph_steps[kind] and num_tokens > MATVEC_ROWS
+        return self.active and self.graph_steps[kind] and num_tokens > EAGER_ROWS
 
     def decode_bucket(self, num_seqs: int) -> int | None:
         """The padded row count of a decode step of `num_seqs` sequences (None: too many, or
@@ -232,10 +238,10 @@ def _run_layers(layer_graph: Callable, model: nn.Module,
 
 def _mark_rows(layer: nn.Module, x: torch.Tensor, residual: torch.Tensor,
                ctx: StepContext) -> None:
-    """The layers graph's token count is dynamic, above MATVEC_ROWS (its projections stay
-    oneDNN's)."""
+    """The layers graph's token count is dynamic, above EAGER_ROWS (its projections stay
+    oneDNN's, or a quantized weight's dequantized product)."""
     for rows in (x, residual, ctx.positions):
-        torch._dynamo.mark_dynamic(rows, 0, min=MATVEC_ROWS + 1, max=2**24)
+        torch._dynamo.mark_dynamic(rows, 0, min=EAGER_ROWS + 1, max=2**24)
 
 
 def _mark_table(layer: nn.Module, x: torch.Tensor, residual: torch.Tensor,

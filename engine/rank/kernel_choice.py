@@ -272,10 +272,10 @@ class KernelChoice:
         products over streamed copies of every projection shape, written as the multiply-and-
         sum (the built-in choice, 2.4x oneDNN on an AVX512 EPYC) and as torch's matmul (MKL,
         8 % faster on an AMX Xeon for SmolLM2's float32 shapes); graphs compiled afterwards take
-        the pick."""
-        if self.dtype not in (torch.float32, torch.bfloat16):
-            return
+        the pick. Nothing to time where every projection is quantized (weights=...)."""
         shapes = one_per_shape(weights)
+        if self.dtype not in (torch.float32, torch.bfloat16) or not shapes:
+            return
         store = TimingStore.open()
         candidates = {"multiply-and-sum": gemm.matvec, "torch": F.linear}
         try:
