@@ -5,7 +5,8 @@ shared with `enable_gqa`) against the engine's blocked attention (engine/rank/bl
 which the engine uses for bf16 prompts). SmolLM2-135M's shapes (hidden 576, FFN 1536, 9 query /
 3 KV heads of 64). Also, inside a compiled graph, float32 and bf16 decode rows through oneDNN
 against a multiply-and-sum (what the compiled decode graph uses for 1-2 rows), and bf16 decode rows
-reading plain weights against weights packed for one row. Runs alternate; the
+reading plain weights against weights packed for one row, and the cost of one call of
+the decode graph's KV store op. Runs alternate; the
 fastest of each is kept.
 
     .venv/bin/python -m bench.cpu_ops
@@ -23,6 +24,8 @@ from engine.rank.blocked_attention import blocked_causal_attention
 from engine.rank import kernel_choice
 from engine.rank import gemm
 from engine.rank.gemm import linear, onednn_linear
+from engine.rank import graph_ops
+from engine.rank.kv_cache import KVCache, store_into
 
 PROJECTIONS = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
@@ -92,6 +95,27 @@ def attention(q_len: int, kv_len: int, dtype: torch.dtype, repeats: int) -> dict
     return {name: s * 1e3 for name, s in t.items()}
 
 
+def kv_store_calls(repeats: int, calls: int = 1000) -> dict[str, float]:
+    """Microseconds per call of the decode graph's KV store (one row of SmolLM2's K/V) as the
+    engine defines it (parallel.graph_op, through torch.library.Library) and as the same
+    function under torch.library.custom_op, which the engine used before."""
+    cache = KVCache(2, 4, 16, KV_HEADS, HEAD_DIM, torch.float32, "cpu")
+    k, v, slots = torch.randn(1, KV_HEADS, HEAD_DIM), torch.randn(1, KV_HEADS, HEAD_DIM), \
+        torch.tensor([5])
+
+    @torch.library.custom_op("bench::kv_store", mutates_args=("cache",))
+    def decorated(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, layer: int,
+                  slot_mapping: torch.Tensor) -> None:
+        store_into(cache, layer, k, v, slot_mapping)
+
+    def loop(op: Callable) -> Callable[[], None]:
+        return lambda: [op(k, v, cache.data, 1, slots) for _ in range(calls)]
+
+    times = fastest({"graph_op": loop(graph_ops.kv_store), "custom_op": loop(decorated)},
+                    repeats)
+    return {name: seconds / calls * 1e6 for name, seconds in times.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=10)
@@ -118,6 +142,10 @@ def main() -> None:
             r = packed_decode_rows(rows, args.repeats)
             print(f"{f'bfloat16, {rows} rows':<24} {r['plain']:>17.1f} {r['packed']:>15.1f} "
                   f"{r['packed'] / r['plain']:>17.2f}x")
+    r = kv_store_calls(args.repeats)
+    print(f"{'KV store op, us a call':<24} {'custom_op':>17} {'graph_op':>15} {'custom / graph':>18}")
+    print(f"{'one decode row':<24} {r['custom_op']:>17.1f} {r['graph_op']:>15.1f} "
+          f"{r['custom_op'] / r['graph_op']:>17.2f}x")
     print(f"{'prompt attention q/kv':<24} {'SDPA ms':>17} {'blocked ms':>15} {'SDPA / blocked':>18}")
     for dtype in args.dtypes:
         for q_len, kv_len in ((128, 128), (512, 512), (2048, 2048), (512, 2048)):

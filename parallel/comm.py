@@ -9,6 +9,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from parallel import graph_op
+
 
 
 def backend_for(device: str) -> str:
@@ -175,14 +177,12 @@ def _register(group: TensorGroup) -> str:
     return name
 
 
-@torch.library.custom_op("prefill::all_reduce", mutates_args=())
-def all_reduce_copy(x: torch.Tensor, group: str) -> torch.Tensor:
+def _all_reduce_copy(x: torch.Tensor, group: str) -> torch.Tensor:
     return _BY_NAME[group].all_reduce(x.clone())
 
 
-@all_reduce_copy.register_fake
-def _(x: torch.Tensor, group: str) -> torch.Tensor:
-    return torch.empty_like(x)
+all_reduce_copy = graph_op.define("all_reduce(Tensor x, str group) -> Tensor", _all_reduce_copy,
+                                  lambda x, group: torch.empty_like(x))
 
 
 class PendingAllReduce:

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.rank.quantized import KERNEL_ROWS, QuantizedWeight
+from parallel import graph_op
 
 # read once: torch.compile cannot trace the queries, and a graph would break at every projection
 HAVE_ONEDNN = torch.backends.mkldnn.is_available()
@@ -75,16 +76,16 @@ def matvec(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     return (y if bias is None else y + bias.float()).to(x.dtype)
 
 
-@torch.library.custom_op("prefill::onednn_linear", mutates_args=())
-def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """The oneDNN inner product as an opaque op, for graphs being compiled: inductor lowers the
-    raw oneDNN op only for weights it froze itself, and our weights are inputs."""
+def _onednn_linear(x: torch.Tensor, weight: torch.Tensor,
+                   bias: torch.Tensor | None) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
-@onednn_linear.register_fake
-def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return x.new_empty(x.shape[0], weight.shape[0])
+# The oneDNN inner product as an opaque op, for graphs being compiled: inductor lowers the raw
+# oneDNN op only for weights it froze itself, and our weights are inputs.
+onednn_linear = graph_op.define(
+    "onednn_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor", _onednn_linear,
+    lambda x, weight, bias: x.new_empty(x.shape[0], weight.shape[0]))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight,

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Iterator
 import torch
 
 from engine.rank.kv_cache import store_into
+from parallel import graph_op
 
 if TYPE_CHECKING:
     from engine.rank.step_context import StepContext
@@ -49,36 +50,34 @@ def current_step() -> StepContext:
     return ctx
 
 
-@torch.library.custom_op("prefill::store_and_attend", mutates_args=("cache",))
-def store_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
-                     layer: int, scale: float) -> torch.Tensor:
+def _store_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
+                      layer: int, scale: float) -> torch.Tensor:
     """The step's new K/V of `layer` into their slots of `cache` (the rank's whole cache), then
     causal attention of its queries over their context: [rows, hq, d], by the eager step's own
-    ops. One op, not two: each custom-op call costs ~30 us of dispatch, 30 layers a step."""
+    ops. One op, not two: a call to it is one more dispatch per layer."""
     ctx = current_step()
     n = ctx.meta.cu_seqlens_q[-1]
     ctx.ops.store(ctx, layer, k[:n], v[:n])
-    # contiguous, as the fake below says: an eager attention may return a transposed view
+    # contiguous, as the fake says: an eager attention may return a transposed view
     out = ctx.ops.attend(ctx, layer, q[:n], k[:n], v[:n], scale).contiguous()
     if n == len(q):
         return out
     return torch.cat((out, out.new_zeros(len(q) - n, *out.shape[1:])))
 
 
-@store_and_attend.register_fake
-def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, layer: int,
-      scale: float) -> torch.Tensor:
-    return torch.empty_like(q)
+store_and_attend = graph_op.define(
+    "store_and_attend(Tensor q, Tensor k, Tensor v, Tensor(a!) cache, SymInt layer, "
+    "float scale) -> Tensor", _store_and_attend,
+    lambda q, k, v, cache, layer, scale: torch.empty_like(q))
 
-
-@torch.library.custom_op("prefill::kv_store", mutates_args=("cache",))
-def kv_store(k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor, layer: int,
-             slot_mapping: torch.Tensor) -> None:
-    """K/V [rows, hkv, d] into their slots of `layer` in `cache` ([k|v, layer, block, slot,
-    hkv, d], the rank's whole cache). The compiled decode graph's store: written in the graph
-    itself, the cache would be copied whole at every step (inductor does not write a graph
-    input in place), while a custom op marked as writing it does."""
-    store_into(cache, layer, k, v, slot_mapping)
+# K/V [rows, hkv, d] into their slots of `layer` in `cache` ([k|v, layer, block, slot, hkv, d],
+# the rank's whole cache). The compiled decode graph's store: written in the graph itself, the
+# cache would be copied whole at every step (inductor does not write a graph input in place),
+# while an op marked as writing it does.
+kv_store = graph_op.define(
+    "kv_store(Tensor k, Tensor v, Tensor(a!) cache, SymInt layer, Tensor slot_mapping) -> ()",
+    lambda k, v, cache, layer, slot_mapping: store_into(cache, layer, k, v, slot_mapping),
+    lambda k, v, cache, layer, slot_mapping: None)
 
 
 class LayersGraphOps:

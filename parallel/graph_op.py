@@ -1,0 +1,26 @@
+"""Ops of the `prefill` namespace that compiled graphs call as opaque steps (the KV store,
+attention, the all-reduce, oneDNN's product), defined straight through `torch.library.Library`.
+
+Not `torch.library.custom_op`, whose Python wrapper adds tens of microseconds to every call:
+`python -m bench.cpu_ops` times the decode graph's KV store (one row) at 78 us a call as a
+custom_op against 26 us defined here, the store's own work included (AMX Xeon, 2 threads,
+torch 2.13), and a decode graph calls it once per layer, 30 times a SmolLM2 step.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+_LIBRARY = torch.library.Library("prefill", "FRAGMENT")
+
+
+def define(schema: str, impl: Callable, fake: Callable) -> torch._ops.OpOverload:
+    """The op `prefill::<schema>`: `impl` runs it on every device, `fake` gives its output's
+    shape when graphs are traced. An argument the op writes is marked `Tensor(a!)` in the
+    schema, so a graph orders the op against the tensor's other readers."""
+    name = schema.split("(", 1)[0]
+    _LIBRARY.define(schema)
+    _LIBRARY.impl(name, impl, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"prefill::{name}", fake, lib=_LIBRARY)
+    return getattr(torch.ops.prefill, name).default
