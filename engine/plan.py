@@ -160,8 +160,9 @@ def compiles(cfg: EngineConfig) -> bool:
     the first time: engine.rank.kept_graphs); the rank still runs each kind of step eagerly
     where it times faster so. float32 stays eager: its graphs decoded no faster there, and
     sped prompts up by ~10 % (BENCHMARKS.md). Quantized weights (weights=...) follow the same
-    rule: bf16 SmolLM2 prefilled 512 tokens 1.1-1.6x faster through the graphs there (eager
-    dequantizes each weight op by op), with decode steps no slower."""
+    rule: through the graphs bf16 SmolLM2 prefilled 512 tokens 1.16-1.65x and decoded
+    1.09-1.40x as fast as eagerly there (eager dequantizes a prompt's weights op by op;
+    `python -m bench.quantized_decode --dtype bfloat16 --eager-too --prompt-len 512`)."""
     if cfg.compile is not None:
         return cfg.compile
     if cfg.device != "cpu":
