@@ -5,9 +5,8 @@ shared with `enable_gqa`) against the engine's blocked attention (engine/rank/bl
 which the engine uses for bf16 prompts). SmolLM2-135M's shapes (hidden 576, FFN 1536, 9 query /
 3 KV heads of 64). Also, inside a compiled graph, float32 and bf16 decode rows through oneDNN
 against a multiply-and-sum (what the compiled decode graph uses for 1-2 rows), and bf16 decode rows
-reading plain weights against weights packed for one row, and the cost of one call of
-the decode graph's KV store op. Runs alternate; the
-fastest of each is kept.
+reading plain weights against weights packed for one row, and the cost of one call of the
+decode graph's KV store op. Runs alternate; the fastest of each is kept.
 
     .venv/bin/python -m bench.cpu_ops
 """

@@ -12,7 +12,6 @@ import torch.distributed as dist
 from parallel import graph_op
 
 
-
 def backend_for(device: str) -> str:
     return "nccl" if is_cuda(device) else "gloo"
 
