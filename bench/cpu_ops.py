@@ -5,8 +5,10 @@ shared with `enable_gqa`) against the engine's blocked attention (engine/rank/bl
 which the engine uses for bf16 prompts). SmolLM2-135M's shapes (hidden 576, FFN 1536, 9 query /
 3 KV heads of 64). Also, inside a compiled graph, float32 and bf16 decode rows through oneDNN
 against a multiply-and-sum (what the compiled decode graph uses for 1-2 rows), and bf16 decode rows
-reading plain weights against weights packed for one row, and the cost of one call of the
-decode graph's KV store op. Runs alternate; the fastest of each is kept.
+reading plain weights against weights packed for one row, 30 layers' decode products in one
+graph against one graph a layer, and the cost of one call of the decode
+graph's KV store op. Prompt attention also runs as compiled flex attention (inductor's CPU
+template). Runs alternate; the fastest of each is kept.
 
     .venv/bin/python -m bench.cpu_ops
 """
@@ -65,6 +67,24 @@ def compiled_decode_rows(rows: int, dtype: torch.dtype, repeats: int) -> dict[st
     return {name: flops / s / 1e9 for name, s in t.items()}
 
 
+def decode_graph_split(dtype: torch.dtype, repeats: int) -> dict[str, float]:
+    """GB/s of weight read by one decode row's multiply-and-sum products over 30 layers of
+    distinct weights: all in one compiled graph, against one graph a layer called 30 times (as
+    the decode step runs its layers: engine.rank.compiled)."""
+    weights = [[torch.randn(shape, dtype=dtype) for shape in PROJECTIONS] for _ in range(30)]
+    x = {k: torch.randn(1, k, dtype=dtype) for k in (576, 1536)}
+    nbytes = sum(w.nbytes for layer in weights for w in layer)
+
+    def products(layer: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [gemm.matvec(x[w.shape[1]], w, None) for w in layer]
+
+    one_graph = torch.compile(lambda: [products(layer) for layer in weights], dynamic=False)
+    a_layer = torch.compile(products, dynamic=False)
+    t = fastest({"one graph": one_graph,
+                 "a graph a layer": lambda: [a_layer(layer) for layer in weights]}, repeats)
+    return {name: nbytes / s / 1e9 for name, s in t.items()}
+
+
 def packed_decode_rows(rows: int, repeats: int) -> dict[str, float]:
     """bf16 decode rows (30 layers of distinct weights) through oneDNN, each weight plain against
     packed for one row (what a bf16 model's decode steps read where the start-up timing finds it
@@ -80,18 +100,41 @@ def packed_decode_rows(rows: int, repeats: int) -> dict[str, float]:
 
 
 def attention(q_len: int, kv_len: int, dtype: torch.dtype, repeats: int) -> dict[str, float]:
-    """The last q_len queries of a kv_len context (q_len < kv_len: a chunk after a prefix)."""
+    """The last q_len queries of a kv_len context (q_len < kv_len: a chunk after a prefix):
+    torch's SDPA, the engine's blocked attention, and compiled flex attention (inductor's CPU
+    template) with a block mask of the same causal pattern, checked against SDPA."""
     q = torch.randn(q_len, HEADS, HEAD_DIM, dtype=dtype)
     k, v = (torch.randn(kv_len, KV_HEADS, HEAD_DIM, dtype=dtype) for _ in range(2))
     mask = None if q_len == kv_len else (
         torch.arange(kv_len)[None, :] <= torch.arange(kv_len - q_len, kv_len)[:, None])
     qs, ks, vs = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
-    t = fastest({
-        "SDPA": lambda: F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask,
-                                                       is_causal=mask is None, enable_gqa=True),
-        "blocked": lambda: blocked_causal_attention(q, k, v, HEAD_DIM ** -0.5),
-    }, repeats)
+    sdpa = lambda: F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask,  # noqa: E731
+                                                  is_causal=mask is None, enable_gqa=True)
+    flex = _flex_attention(qs, ks, vs)
+    _check_against(sdpa(), flex(), "flex attention")
+    t = fastest({"SDPA": sdpa, "blocked": lambda: blocked_causal_attention(q, k, v, HEAD_DIM ** -0.5),
+                 "flex": flex}, repeats)
     return {name: s * 1e3 for name, s in t.items()}
+
+
+def _flex_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """Compiled flex attention of q [1, hq, q_len, d] over k/v [1, hkv, kv_len, d], the queries
+    at the context's last q_len positions."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    q_len, kv_len = q.shape[2], k.shape[2]
+    block_mask = create_block_mask(lambda b, h, qi, ki: qi + (kv_len - q_len) >= ki, 1, 1,
+                                   q_len, kv_len, device="cpu")
+    compiled = torch.compile(flex_attention, dynamic=False)
+    return lambda: compiled(q, k, v, block_mask=block_mask, enable_gqa=True)
+
+
+def _check_against(reference: torch.Tensor, out: torch.Tensor, name: str) -> None:
+    # bf16 outputs of softmax-weighted means: a few bf16 ulps of the values' scale
+    tolerance = 2e-2 if out.dtype == torch.bfloat16 else 1e-4
+    err = (out.float() - reference.float()).abs().max().item()
+    if err > tolerance:
+        raise AssertionError(f"{name} differs from SDPA by {err:.3g} (> {tolerance})")
 
 
 def kv_store_calls(repeats: int, calls: int = 1000) -> dict[str, float]:
@@ -120,6 +163,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     args = ap.parse_args()
+    # the same functions compile once per shape and dtype here: more than dynamo's default 8
+    # graphs of one function, past which it would run the rest eagerly, unreported
+    torch._dynamo.config.recompile_limit = 64
     print(f"{machine()}; best of {args.repeats}, alternating")
     print(f"{'projections':<24} {'F.linear GFLOP/s':>17} {'oneDNN GFLOP/s':>15} {'oneDNN / F.linear':>18}")
     for dtype in args.dtypes:
@@ -133,6 +179,11 @@ def main() -> None:
             r = compiled_decode_rows(rows, getattr(torch, dtype), args.repeats)
             print(f"{dtype + f', {rows} rows':<24} {r['oneDNN op']:>17.1f} "
                   f"{r['multiply-and-sum']:>15.1f} {r['multiply-and-sum'] / r['oneDNN op']:>17.2f}x")
+    print(f"{'decode products, 1 row':<24} {'one graph GB/s':>17} {'per layer GB/s':>15} {'one / per layer':>18}")
+    for dtype in (d for d in args.dtypes if gemm.onednn_runs(getattr(torch, d))):
+        r = decode_graph_split(getattr(torch, dtype), args.repeats)
+        print(f"{dtype:<24} {r['one graph']:>17.1f} {r['a graph a layer']:>15.1f} "
+              f"{r['one graph'] / r['a graph a layer']:>17.2f}x")
     if "bfloat16" in args.dtypes and not gemm.HAVE_ONEDNN_BF16:
         print("bf16 decode weights: not offered on this CPU (oneDNN builds no bf16 products)")
     elif "bfloat16" in args.dtypes:
@@ -145,13 +196,13 @@ def main() -> None:
     print(f"{'KV store op, us a call':<24} {'custom_op':>17} {'graph_op':>15} {'custom / graph':>18}")
     print(f"{'one decode row':<24} {r['custom_op']:>17.1f} {r['graph_op']:>15.1f} "
           f"{r['custom_op'] / r['graph_op']:>17.2f}x")
-    print(f"{'prompt attention q/kv':<24} {'SDPA ms':>17} {'blocked ms':>15} {'SDPA / blocked':>18}")
+    print(f"{'prompt attention q/kv':<24} {'SDPA ms':>9} {'blocked ms':>11} {'flex ms':>9} "
+          f"{'fastest':>8}")
     for dtype in args.dtypes:
         for q_len, kv_len in ((128, 128), (512, 512), (2048, 2048), (512, 2048)):
             r = attention(q_len, kv_len, getattr(torch, dtype), args.repeats)
-            print(f"{dtype + f', {q_len}/{kv_len}':<24} {r['SDPA']:>17.3f} "
-                  f"{r['blocked']:>15.3f} {r['SDPA'] / r['blocked']:>17.2f}x")
-
+            print(f"{dtype + f', {q_len}/{kv_len}':<24} {r['SDPA']:>9.3f} {r['blocked']:>11.3f} "
+                  f"{r['flex']:>9.3f} {min(r, key=r.get):>8}")
 
 if __name__ == "__main__":
     main()
