@@ -27,9 +27,16 @@ import torch
 
 from bench.common import machine, print_table, random_ids
 from engine.loading.checkpoint import open_checkpoint, resolve_model
+from engine.plan import COMPILE_ENV
 
 PEERS_DIR = Path(os.environ.get("PEERS_DIR", Path.home() / ".cache" / "prefill-engine" / "peers"))
 RUNNER = Path(__file__).with_name("peer_run.py")
+
+
+def default_label() -> str:
+    # the environment can keep an engine whose compile is unset eager: a row says so
+    setting = os.environ.get(COMPILE_ENV)
+    return f"engine, default ({COMPILE_ENV}={setting})" if setting else "engine, default"
 
 
 def rows_to_run(systems: list[str], dtypes: list[str]) -> list[dict]:
@@ -37,7 +44,7 @@ def rows_to_run(systems: list[str], dtypes: list[str]) -> list[dict]:
     rows = []
     for dtype in dtypes:
         if "engine" in systems:
-            rows.append(dict(label="engine, default", system="engine", dtype=dtype, form="gguf"))
+            rows.append(dict(label=default_label(), system="engine", dtype=dtype, form="gguf"))
         if "engine-fixed" in systems:  # the built-in kernels, untimed: what measuring gains
             rows.append(dict(label="engine, kernel_choice=fixed", system="engine", dtype=dtype,
                              form="gguf", settings={"kernel_choice": "fixed"}))
@@ -296,7 +303,7 @@ def main() -> None:
 
 def report(results: list[dict], lengths: list[int]) -> None:
     """The table, and whether each row's greedy tokens match the float32 engine's."""
-    reference = next((r for r in results if r["label"] == "engine, default"
+    reference = next((r for r in results if r["label"] == default_label()
                       and r["dtype"] == "float32"), None)
     rows = []
     for r in results:

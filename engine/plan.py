@@ -7,6 +7,7 @@ and every rank agree by construction.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass
 
 import torch
@@ -152,25 +153,42 @@ def make_plan(cfg: EngineConfig, source: str, mc: ModelConfig) -> EnginePlan:
     return plan
 
 
+COMPILE_ENV = "PREFILL_ENGINE_COMPILE"  # "0": compile unset means eager on a CPU
+
+
 def compiles(cfg: EngineConfig) -> bool:
     """compile=True/False as set. Unset: on for CUDA (with cp = 1: context parallelism runs
-    eagerly), and on a CPU for a one-rank bfloat16 engine that times its kernels, where oneDNN
-    multiplies bf16 (AMX or AVX512-BF16). There its graphs ran bf16 prompts 10-40 % and decode
-    steps 26-40 % faster than eager on the AMX Xeon, and start in 12 s once kept on disk (92 s
-    the first time: engine.rank.kept_graphs); the rank still runs each kind of step eagerly
-    where it times faster so. float32 stays eager: its graphs decoded no faster there, and
-    sped prompts up by ~10 % (BENCHMARKS.md). Quantized weights (weights=...) follow the same
-    rule: through the graphs bf16 SmolLM2 prefilled 512 tokens 1.16-1.65x and decoded
-    1.09-1.40x as fast as eagerly there (eager dequantizes a prompt's weights op by op;
-    `python -m bench.quantized_decode --dtype bfloat16 --eager-too --prompt-len 512`)."""
+    eagerly), and on a CPU for a one-rank engine that times its kernels, in float32 and in
+    bfloat16 where oneDNN multiplies bf16 (AMX or AVX512-BF16); the rank then times each kind
+    of step through its graphs and eagerly and runs it the faster way (kernel_choice's
+    graph-prompt / graph-decode), so the graphs only cost start-up where they do not help.
+    float32 compiles since decode graphs stream one-row products 1.7x as fast as eager on the
+    AVX512 EPYC (41.9 against 24.2 tok/s: `python -m bench.peers --systems engine
+    engine-compile --dtypes float32`), and its warm start took 8 s there. A bf16 engine on an
+    AVX2-only CPU stays eager: its graphs were no faster there. Quantized weights (weights=...)
+    follow the same rule (eager dequantizes a prompt's weights op by op). A cold start compiles
+    (about a minute for SmolLM2 on 2 cores) and keeps the graphs on disk for later starts
+    (engine.rank.kept_graphs). $PREFILL_ENGINE_COMPILE=0 keeps every CPU engine whose compile
+    is unset eager: quick starts, as the test suite wants."""
     if cfg.compile is not None:
         return cfg.compile
     if cfg.device != "cpu":
         return cfg.cp == 1
+    if _compile_unset_means_eager():
+        return False
     from engine.rank import gemm
 
-    return (cfg.torch_dtype == torch.bfloat16 and gemm.HAVE_ONEDNN_BF16 and cfg.tp == cfg.cp == 1
-            and cfg.kernel_choice == "measure")
+    dtype_compiles = cfg.torch_dtype == torch.float32 or (
+        cfg.torch_dtype == torch.bfloat16 and gemm.HAVE_ONEDNN_BF16)
+    return dtype_compiles and cfg.tp == cfg.cp == 1 and cfg.kernel_choice == "measure"
+
+
+def _compile_unset_means_eager() -> bool:
+    value = os.environ.get(COMPILE_ENV, "")
+    if value not in ("", "0"):
+        raise ConfigError(f"{COMPILE_ENV}={value!r}: set it to 0 (a CPU engine whose compile is "
+                          f"unset runs eagerly) or unset it (the engine decides)")
+    return value == "0"
 
 
 def _num_blocks(cfg: EngineConfig, mc: ModelConfig, heads: list[HeadPartition],

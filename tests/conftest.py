@@ -10,6 +10,11 @@ import torch
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # the CPU kernel timings (engine.rank.kernel_choice) of this run, apart from the user's own
 os.environ.setdefault("PREFILL_ENGINE_CACHE", tempfile.mkdtemp(prefix="prefill-engine-test-"))
+# A CPU engine whose compile is unset compiles its layers (engine.plan.compiles): a minute or so
+# at each new model's first start. Tests run eagerly unless they set compile=True, or use the
+# smollm2_llm engine below, which keeps the user's default; PREFILL_ENGINE_COMPILE= (empty)
+# runs the whole suite with the default.
+os.environ.setdefault("PREFILL_ENGINE_COMPILE", "0")
 # Triton decides interpreter vs compiled when a kernel is decorated, i.e. at import: set it before
 # any test module imports triton. A machine with a GPU runs the kernels compiled.
 if not torch.cuda.is_available():
@@ -52,8 +57,17 @@ def smollm2_hf(smollm2_path):
 
 @pytest.fixture(scope="session")
 def smollm2_llm():
-    """One single-rank engine on SmolLM2, shared by the tests that only read from it."""
+    """One single-rank engine on SmolLM2 with the user's defaults (compiled where the engine
+    decides so: PREFILL_ENGINE_COMPILE does not apply to it), shared by the tests that only
+    read from it."""
     from engine import LLM
+    from engine.plan import COMPILE_ENV
 
-    with LLM("smollm2") as llm:
+    suite_setting = os.environ.pop(COMPILE_ENV, None)
+    try:
+        llm = LLM("smollm2")
+    finally:
+        if suite_setting is not None:
+            os.environ[COMPILE_ENV] = suite_setting
+    with llm:
         yield llm

@@ -33,25 +33,39 @@ def test_block_count_by_hand_for_smollm2_at_tp1_and_tp2():
 
 
 @pytest.mark.parametrize("onednn_bf16", [True, False])
-def test_compile_unset_is_on_for_cuda_and_for_one_rank_bf16_where_onednn_runs_bf16(
-        monkeypatch, onednn_bf16):
-    """compile=None: CUDA compiles (not with cp > 1); a CPU compiles only a one-rank bfloat16
-    engine that times its kernels (its weights quantized or not), on a CPU whose oneDNN
-    multiplies bf16; a set value always stands."""
-    from engine.plan import compiles
+def test_compile_unset_is_on_for_cuda_and_for_a_one_rank_cpu_engine(monkeypatch, onednn_bf16):
+    """compile=None: CUDA compiles (not with cp > 1); a CPU compiles a one-rank engine that
+    times its kernels (its weights quantized or not), in float32 always and in bfloat16 on a
+    CPU whose oneDNN multiplies bf16; a set value always stands."""
+    from engine.plan import COMPILE_ENV, compiles
     from engine.rank import gemm
 
     monkeypatch.setattr(gemm, "HAVE_ONEDNN_BF16", onednn_bf16)
+    monkeypatch.delenv(COMPILE_ENV, raising=False)  # the suite's conftest sets it
 
     def decided(**settings) -> bool:
         return compiles(EngineConfig.from_kwargs(model="smollm2", **settings))
 
     assert decided(dtype="bfloat16") is onednn_bf16
     assert decided(dtype="bfloat16", compile=True) and not decided(dtype="bfloat16", compile=False)
-    assert decided(compile=True)
-    assert not decided() and not decided(weights="int4")  # float32
+    assert decided() and decided(weights="int4") and not decided(compile=False)  # float32
+    assert not decided(dtype="float16")
     assert decided(dtype="bfloat16", weights="int4") is onednn_bf16
     for other in (dict(tp=2), dict(cp=2, enable_prefix_caching=False), dict(kernel_choice="fixed")):
-        assert not decided(dtype="bfloat16", **other), other
+        assert not decided(**other) and not decided(dtype="bfloat16", **other), other
     # (built unchecked: this torch has no CUDA to validate against)
     assert compiles(EngineConfig(device="cuda")) and not compiles(EngineConfig(device="cuda", cp=2))
+
+
+def test_compile_env_keeps_unset_cpu_engines_eager(monkeypatch):
+    """PREFILL_ENGINE_COMPILE=0: a CPU engine whose compile is unset runs eagerly, one that
+    sets it and a CUDA one are not affected; another value is refused, naming the fix."""
+    from engine.plan import COMPILE_ENV, compiles
+
+    monkeypatch.setenv(COMPILE_ENV, "0")
+    assert not compiles(EngineConfig()) and not compiles(EngineConfig(dtype="bfloat16"))
+    assert compiles(EngineConfig(compile=True)) and compiles(EngineConfig(device="cuda"))
+    monkeypatch.setenv(COMPILE_ENV, "off")
+    with pytest.raises(ConfigError, match="PREFILL_ENGINE_COMPILE='off': set it to 0"):
+        compiles(EngineConfig())
+    assert compiles(EngineConfig(compile=True))  # a set compile never reads it
