@@ -256,6 +256,22 @@ def test_short_context_warms_up_within_it(llama):
         assert {t.graph for t in llm.step_timings()} == {"layers", "decode-1"}
 
 
+def test_a_compiled_engine_of_another_model_in_this_process_compiles_too(tiny_model_dir,
+                                                                          compiled, caplog):
+    """After `compiled` (llama) a compiled engine of another model in this process (mistral:
+    another head size, so another attention scale) compiles too and answers as its eager engine
+    does. Dynamo records per code name which sizes and floats have varied; one name for both
+    models' graphs made the second model's floats symbolic, and its compile failed."""
+    other = str(tiny_model_dir("mistral"))
+    prompts = [random_token_ids(n, 257, seed=n) for n in (9, 30)]  # its vocabulary
+    with LLM(other, compile=False) as llm:
+        want = [g.token_ids for g in llm.generate(prompts, GREEDY)]
+    with caplog.at_level(logging.WARNING, logger="engine"), LLM(other, compile=True) as llm:
+        assert llm.rank_info()[0].compiled
+        assert [g.token_ids for g in llm.generate(prompts, GREEDY)] == want
+    assert "compiling the layers failed" not in caplog.text
+
+
 def test_compile_failure_falls_back_to_eager(llama, want, caplog, monkeypatch, tmp_path):
     """A backend that cannot compile this setup (here: one that always raises, as inductor
     does on a file in its cache cut short by a compile killed midway): the engine warns, names

@@ -31,6 +31,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import hashlib
+import itertools
 import platform
 import types
 from typing import Callable
@@ -58,6 +59,7 @@ LAYER_INDEX_SOURCE = r".*\.layer_idx$"
 # weight's kernel up to KERNEL_ROWS), and a layers graph whose dynamic token count started at
 # or below either threshold would guard on it
 EAGER_ROWS = max(MATVEC_ROWS, KERNEL_ROWS)
+_UNKEPT_MODELS = itertools.count()  # names the graphs of models not kept on disk (a GPU's)
 
 
 def trust_probed_vector_isas() -> None:
@@ -112,16 +114,22 @@ class CompiledModel:
         # warm-up and keeps the faster (Worker._choose_graph_steps)
         self.graph_steps = {"prompt": True, "decode": True}
 
+        # dynamo learns which sizes and floats vary per code name (its automatic-dynamic
+        # state, kept across processes too): names of this setup's own, so another model in
+        # this process (its RMSNorm eps, its sizes) makes none of them symbolic here; a
+        # symbolic float failed the next engine's compile (TensorifyScalarRestartAnalysis)
+        setup = (hashlib.sha256(keep_key.encode()).hexdigest()[:12] if keep_key is not None
+                 else f"unkept{next(_UNKEPT_MODELS)}")
+
         def graph(fn: Callable, name: str, rows: int | None = None, **options) -> KeptGraph:
             # torch.compile keeps graphs (and a limit of 8 recompiles) per code object: each
             # graph gets a code object of its own, so engines of other shapes in this process
             # never push this one's graphs out to eager; and each bucket's a name of its own:
-            # dynamo learns which sizes vary per code name, and the buckets' row counts must
-            # not look like one dynamic size (nor dynamic=False, which would specialise the
-            # layer index too)
+            # the buckets' row counts must not look like one dynamic size (nor dynamic=False,
+            # which would specialise the layer index too)
             path = (graph_file(cache_dir() / "graphs", name, keep_key)
                     if keep_key is not None else None)
-            return KeptGraph(_own_code(fn, rows), path, **options)
+            return KeptGraph(_own_code(fn, setup, rows), path, **options)
 
         self._layer = graph(_layer, "layer", mark=_mark_rows)  # token count dynamic
 
@@ -215,8 +223,8 @@ class CompiledModel:
             return heads.get(rows, _decode_head)(model, x, residual)
 
 
-def _own_code(fn: Callable, rows: int | None = None) -> Callable:
-    name = fn.__name__ if rows is None else f"{fn.__name__}_rows{rows}"
+def _own_code(fn: Callable, setup: str, rows: int | None = None) -> Callable:
+    name = f"{fn.__name__}_{setup}" + ("" if rows is None else f"_rows{rows}")
     return types.FunctionType(fn.__code__.replace(co_name=name), fn.__globals__, name)
 
 
