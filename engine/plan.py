@@ -165,7 +165,7 @@ def compiles(cfg: EngineConfig) -> bool:
     float32 compiles since decode graphs stream one-row products 1.7x as fast as eager on the
     AVX512 EPYC (41.9 against 24.2 tok/s: `python -m bench.peers --systems engine
     engine-compile --dtypes float32`), and its warm start took 8 s there. A bf16 engine on an
-    AVX2-only CPU stays eager: its graphs were no faster there. Quantized weights (weights=...)
+    AVX2-only CPU stays eager, as before (its graphs prefilled 512 tokens slower there). Quantized weights (weights=...)
     follow the same rule (eager dequantizes a prompt's weights op by op). A cold start compiles
     (about a minute for SmolLM2 on 2 cores) and keeps the graphs on disk for later starts
     (engine.rank.kept_graphs). $PREFILL_ENGINE_COMPILE=0 keeps every CPU engine whose compile

@@ -115,9 +115,9 @@ class CompiledModel:
         self.graph_steps = {"prompt": True, "decode": True}
 
         # dynamo learns which sizes and floats vary per code name (its automatic-dynamic
-        # state, kept across processes too): names of this setup's own, so another model in
-        # this process (its RMSNorm eps, its sizes) makes none of them symbolic here; a
-        # symbolic float failed the next engine's compile (TensorifyScalarRestartAnalysis)
+        # state): names of this setup's own, so another model in this process (its sizes, its
+        # floats such as the attention scale) makes none of them symbolic here; a symbolic
+        # float failed the next engine's compile (TensorifyScalarRestartAnalysis)
         setup = (hashlib.sha256(keep_key.encode()).hexdigest()[:12] if keep_key is not None
                  else f"unkept{next(_UNKEPT_MODELS)}")
 
