@@ -63,11 +63,8 @@ def smollm2_llm():
     from engine import LLM
     from engine.plan import COMPILE_ENV
 
-    suite_setting = os.environ.pop(COMPILE_ENV, None)
-    try:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv(COMPILE_ENV, raising=False)
         llm = LLM("smollm2")
-    finally:
-        if suite_setting is not None:
-            os.environ[COMPILE_ENV] = suite_setting
     with llm:
         yield llm
