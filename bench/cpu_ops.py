@@ -8,7 +8,7 @@ against a multiply-and-sum (what the compiled decode graph uses for 1-2 rows), a
 reading plain weights against weights packed for one row, 30 layers' decode products in one
 graph against one graph a layer, and the cost of one call of the decode graph's KV store op.
 Prompt attention also runs as compiled flex attention (inductor's CPU template), checked
-against SDPA. Runs alternate; the fastest of each is kept.
+against SDPA, and in float32 as the engine's fused kernel (engine/rank/fused_attention). Runs alternate; the fastest of each is kept.
 
     .venv/bin/python -m bench.cpu_ops
 """
@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import machine
+from engine.rank import fused_attention
 from engine.rank.blocked_attention import blocked_causal_attention
 from engine.rank import kernel_choice
 from engine.rank import gemm
@@ -101,8 +102,9 @@ def packed_decode_rows(rows: int, repeats: int) -> dict[str, float]:
 
 def attention(q_len: int, kv_len: int, dtype: torch.dtype, repeats: int) -> dict[str, float]:
     """The last q_len queries of a kv_len context (q_len < kv_len: a chunk after a prefix):
-    torch's SDPA, the engine's blocked attention, and compiled flex attention (inductor's CPU
-    template) with a block mask of the same causal pattern, checked against SDPA."""
+    torch's SDPA, the engine's blocked attention, compiled flex attention (inductor's CPU
+    template) with a block mask of the same causal pattern, checked against SDPA, and in
+    float32 the engine's fused kernel (where it is built)."""
     q = torch.randn(q_len, HEADS, HEAD_DIM, dtype=dtype)
     k, v = (torch.randn(kv_len, KV_HEADS, HEAD_DIM, dtype=dtype) for _ in range(2))
     mask = None if q_len == kv_len else (
@@ -114,8 +116,11 @@ def attention(q_len: int, kv_len: int, dtype: torch.dtype, repeats: int) -> dict
     # bf16 outputs of softmax-weighted means agree to a few bf16 ulps of the values' scale
     tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-4
     torch.testing.assert_close(flex(), sdpa(), atol=tolerance, rtol=0)
-    t = fastest({"SDPA": sdpa, "blocked": lambda: blocked_causal_attention(q, k, v, HEAD_DIM ** -0.5),
-                 "flex": flex}, repeats)
+    candidates = {"SDPA": sdpa, "flex": flex,
+                  "blocked": lambda: blocked_causal_attention(q, k, v, HEAD_DIM ** -0.5)}
+    if dtype == torch.float32 and fused_attention.available():
+        candidates["fused"] = lambda: fused_attention.causal_attention(q, k, v, HEAD_DIM ** -0.5)
+    t = fastest(candidates, repeats)
     return {name: s * 1e3 for name, s in t.items()}
 
 
@@ -191,12 +196,13 @@ def main() -> None:
     print(f"{'one decode row':<24} {r['custom_op']:>17.1f} {r['graph_op']:>15.1f} "
           f"{r['custom_op'] / r['graph_op']:>17.2f}x")
     print(f"{'prompt attention q/kv':<24} {'SDPA ms':>9} {'blocked ms':>11} {'flex ms':>9} "
-          f"{'fastest':>8}")
+          f"{'fused ms':>9} {'fastest':>8}")
     for dtype in args.dtypes:
         for q_len, kv_len in ((128, 128), (512, 512), (2048, 2048), (512, 2048)):
             r = attention(q_len, kv_len, getattr(torch, dtype), args.repeats)
             print(f"{dtype + f', {q_len}/{kv_len}':<24} {r['SDPA']:>9.3f} {r['blocked']:>11.3f} "
-                  f"{r['flex']:>9.3f} {min(r, key=r.get):>8}")
+                  f"{r['flex']:>9.3f} {r.get('fused', float('nan')):>9.3f} "
+                  f"{min(r, key=r.get):>8}")
 
 
 if __name__ == "__main__":

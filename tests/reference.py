@@ -1,4 +1,5 @@
-"""Independent references: Hugging Face `transformers` running the same weights."""
+"""Independent references: Hugging Face `transformers` running the same weights, and plain float64
+formulas."""
 from __future__ import annotations
 
 import torch
@@ -30,3 +31,17 @@ def hf_kv(model, ids: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     for layer in cache.layers:
         out.append((layer.keys[0].transpose(0, 1), layer.values[0].transpose(0, 1)))
     return out
+
+
+def causal_attention_float64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                             scale: float) -> torch.Tensor:
+    """softmax(q kᵀ) v in float64 with an explicit causal mask: query j of q [Tq, hq, d] sits at
+    position len(k) - len(q) + j and sees keys up to it; query head h reads KV head
+    h // (hq / hkv) of k, v [Tk, hkv, d]."""
+    group = q.shape[1] // k.shape[1]
+    qd, kd, vd = (x.double().transpose(0, 1) for x in (q, k, v))
+    kd, vd = kd.repeat_interleave(group, 0), vd.repeat_interleave(group, 0)
+    scores = qd @ kd.transpose(1, 2) * scale
+    pos = torch.arange(len(k) - len(q), len(k))
+    scores = scores.masked_fill(torch.arange(len(k))[None, :] > pos[:, None], float("-inf"))
+    return (scores.softmax(-1) @ vd).transpose(0, 1)

@@ -8,17 +8,7 @@ import torch
 
 from engine.rank.blocked_attention import blocked_causal_attention
 from tests.cpu_features import needs_onednn_bf16
-
-
-def _reference(q, k, v, scale):
-    """Query j sits at position len(k) - len(q) + j and sees keys up to it."""
-    group = q.shape[1] // k.shape[1]
-    qd, kd, vd = (x.double().transpose(0, 1) for x in (q, k, v))
-    kd, vd = kd.repeat_interleave(group, 0), vd.repeat_interleave(group, 0)
-    scores = qd @ kd.transpose(1, 2) * scale
-    pos = torch.arange(len(k) - len(q), len(k))
-    scores = scores.masked_fill(torch.arange(len(k))[None, :] > pos[:, None], float("-inf"))
-    return (scores.softmax(-1) @ vd).transpose(0, 1)
+from tests.reference import causal_attention_float64
 
 
 @pytest.mark.parametrize("q_len,kv_len", [(2, 2), (37, 37), (300, 300), (5, 41), (130, 400)])
@@ -30,7 +20,7 @@ def test_matches_float64(q_len, kv_len, heads, kv_heads, dtype, tol):
     k, v = (torch.randn(kv_len, kv_heads, 32, generator=gen).to(dtype) for _ in range(2))
     out = blocked_causal_attention(q, k, v, 32 ** -0.5, block=64)
     assert out.shape == q.shape and out.dtype == dtype
-    torch.testing.assert_close(out.double(), _reference(q, k, v, 32 ** -0.5), atol=tol, rtol=0)
+    torch.testing.assert_close(out.double(), causal_attention_float64(q, k, v, 32 ** -0.5), atol=tol, rtol=0)
 
 
 @needs_onednn_bf16

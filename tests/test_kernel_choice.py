@@ -78,12 +78,14 @@ def test_every_attention_candidate_is_causal_attention(dtype, tol):
     scores = torch.einsum("qhd,khd->hqk", q.double(), kf) * d ** -0.5
     seen = torch.arange(20)[None, :] <= torch.arange(13, 20)[:, None]
     ref = torch.einsum("hqk,khd->qhd", scores.masked_fill(~seen, float("-inf")).softmax(-1), vf)
-    for name, kernel in kc.ATTENTION_KERNELS.items():
+    kernels = kc.attention_kernels(dtype)
+    assert list(kernels) == ["sdpa", "blocked"] + (["fused"] if dtype == torch.float32 else [])
+    for name, kernel in kernels.items():
         if name == "sdpa":  # the masked chunk is attention.sdpa_attention's, checked elsewhere
             whole = kernel(q[:7].double(), k[:7].double(), v[:7].double(), d ** -0.5)
             continue
         torch.testing.assert_close(kernel(q, k, v, d ** -0.5).double(), ref, rtol=0, atol=tol)
-    torch.testing.assert_close(whole, kc.ATTENTION_KERNELS["blocked"](
+    torch.testing.assert_close(whole, kernels["blocked"](
         q[:7].double(), k[:7].double(), v[:7].double(), d ** -0.5), rtol=0, atol=1e-9)
 
 
@@ -109,7 +111,7 @@ def _decode_float32_wins(monkeypatch):
     """The timing says the float32 decode attention is twice as fast as SDPA."""
     timed = kc._time_attention
 
-    def float32_wins(heads, tokens, dtype, kernels=kc.ATTENTION_KERNELS, queries=None):
+    def float32_wins(heads, tokens, dtype, kernels, queries=None):
         if queries == 1:
             return {"sdpa": 2e-3, "float32": 1e-3}
         return timed(heads, tokens, dtype, kernels, queries)

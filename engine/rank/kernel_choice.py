@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.rank import gemm
+from engine.rank import fused_attention, gemm
 from engine.rank.attention import (fixed_prompt_kernel, float32_decode_attention,
                                    sdpa_attention, torch_attention)
 from engine.rank.backend import Backend
@@ -107,8 +107,15 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> to
     return sdpa_attention(q, k, v, scale, shared_kv=k.shape[1] != q.shape[1])
 
 
-# (q [Tq, hq, d], k/v [Tk, hkv, d], scale) -> [Tq, hq, d]: a prompt's causal attention
-ATTENTION_KERNELS: dict[str, Callable] = {"sdpa": _sdpa, "blocked": blocked_causal_attention}
+def attention_kernels(dtype: torch.dtype) -> dict[str, Callable]:
+    """(q [Tq, hq, d], k/v [Tk, hkv, d], scale) -> [Tq, hq, d]: a prompt's causal attention.
+    "sdpa" (the built-in for float32), "blocked" (bf16's where oneDNN multiplies bf16) and, for
+    float32 where it builds, "fused" (engine.rank.fused_attention: 2.0x SDPA at 512 tokens and
+    1.4x at 2048 for SmolLM2's heads on the AVX512 EPYC, `python -m bench.cpu_ops`)."""
+    kernels = {"sdpa": _sdpa, "blocked": blocked_causal_attention}
+    if dtype == torch.float32 and fused_attention.available():
+        kernels["fused"] = fused_attention.causal_attention
+    return kernels
 
 
 def decode_attention_kernels(dtype: torch.dtype) -> dict[str, Callable]:
@@ -220,8 +227,8 @@ class KernelChoice:
         return gemm.linear(x, weight, bias)  # graphs, packed or mixed-dtype weights, unmeasured
 
     def prompt_kernel(self, q_len: int, dtype: torch.dtype) -> Callable | None:
-        """The attention of a prompt (or prompt chunk) of q_len > 1 tokens: blocked, or None
-        for SDPA (engine.rank.attention). A chunk after a cached prefix takes the choice timed
+        """The attention of a prompt (or prompt chunk) of q_len > 1 tokens: the picked kernel
+        (blocked, fused), or None for SDPA (engine.rank.attention). A chunk after a cached prefix takes the choice timed
         for a whole prompt of its length."""
         kernel = self._attention.get((dtype, min(row_bucket(q_len), self._top_bucket)))
         if kernel is None:
@@ -255,14 +262,15 @@ class KernelChoice:
                                          lambda: _time_linear(linears, weight, rows))
                 self.picks.append(pick)
                 self._linear[(*shape, bucket)] = linears[pick.kernel]
+        kernels = attention_kernels(self.dtype)
         for bucket in range(1, row_bucket(max_tokens) + 1):  # one-token prompts run as decode
             rows = min(4 ** bucket, max_tokens)
             built_in = "sdpa" if fixed_prompt_kernel(rows, self.dtype) is None else "blocked"
             pick = store.get_or_time(Pick("attention", heads, rows, built_in), self.dtype,
-                                     ATTENTION_KERNELS,
-                                     lambda: _time_attention(heads, rows, self.dtype))
+                                     kernels, lambda: _time_attention(heads, rows, self.dtype,
+                                                                      kernels))
             self.picks.append(pick)
-            self._attention[(self.dtype, bucket)] = ATTENTION_KERNELS[pick.kernel]
+            self._attention[(self.dtype, bucket)] = kernels[pick.kernel]
         self._choose_decode_attention(store, heads, max_context)
         self._choose_decode_copies(store, weights)
         store.save()
@@ -390,8 +398,7 @@ def _time_in_graph(kernels: dict[str, Callable], weights: list[torch.Tensor]) ->
 
 
 def _time_attention(heads: tuple[int, int, int], tokens: int, dtype: torch.dtype,
-                    kernels: dict[str, Callable] = ATTENTION_KERNELS,
-                    queries: int | None = None) -> dict[str, float]:
+                    kernels: dict[str, Callable], queries: int | None = None) -> dict[str, float]:
     """`queries` of `tokens` keys (all of them: a whole prompt's causal attention)."""
     num_q, num_kv, head_dim = heads
     q = torch.randn(queries or tokens, num_q, head_dim, dtype=dtype)

@@ -1,0 +1,258 @@
+// Causal attention of a float32 prompt (or a prompt chunk after cached keys) on a CPU, fused:
+// scores, online softmax and the product with V for a tile of queries stay in the core's
+// caches, and the query heads that share a KV head go through each K/V tile together.
+// Built and loaded by engine/rank/fused_attention.py, for the CPU it runs on (-march=native).
+//
+// Queries are the last num_q positions of a context of num_k keys. q [num_q, hq, d],
+// k/v [num_k, hkv, d] and out [num_q, hq, d] have contiguous heads; rows may be strided.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+constexpr int W = 16;  // floats per vector register
+#else
+constexpr int W = 8;
+#endif
+
+namespace {
+
+typedef float vf __attribute__((vector_size(W * 4)));
+typedef int32_t vi __attribute__((vector_size(W * 4)));
+
+constexpr int64_t QUERY_TOKENS = 16;  // query tokens per work unit (times the group's heads)
+constexpr int KEYS = 128;             // keys per tile
+constexpr int SCORE_ROWS = 8, SCORE_VECTORS = 2;  // register tile of the scores' product
+constexpr int OUT_ROWS = 6;                       // rows of the register tile of P V
+// the tile sizes above timed fastest of those tried for SmolLM2's heads on an AVX512 EPYC
+
+inline vf splat(float x) { return vf{} + x; }
+inline vf load(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
+inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+
+inline float hmax(vf x) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_max_ps((__m512)x);
+#else
+  float m = x[0];
+  for (int w = 1; w < W; ++w) m = std::max(m, x[w]);
+  return m;
+#endif
+}
+
+inline float hsum(vf x) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_add_ps((__m512)x);
+#else
+  float s = 0.f;
+  for (int w = 0; w < W; ++w) s += x[w];
+  return s;
+#endif
+}
+
+// e^x for x <= 0 (shifted scores), within ~2 ulp; 0 below -87 (and for -inf, a masked key).
+// x = n ln2 + r, |r| <= ln2/2: e^r by its Taylor polynomial, 2^n by building the exponent.
+inline vf vexp(vf x) {
+  const vf floor_x = splat(-87.f);
+  vf clamped = x < floor_x ? floor_x : x;
+  vf t = clamped * 1.44269504088896341f;
+  vf n = __builtin_convertvector(__builtin_convertvector(t - 0.5f, vi), vf);  // round: t < 0
+  vf r = clamped - n * 0.693145751953125f - n * 1.428606765330187045e-06f;
+  vf p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+  vf two_n;
+  std::memcpy(&two_n, &bits, sizeof two_n);
+  return x <= floor_x ? splat(0.f) : p * two_n;
+}
+
+// S[rows][KEYS] (cols from 0) = Q[rows][d] K^T, K's tile packed as KT[d][KEYS]
+template <int R, int C>
+inline void score_tile(const float* Q, int rows, int d, const float* KT, float* S) {
+  vf acc[R][C];
+  for (int i = 0; i < R; ++i)
+    for (int c = 0; c < C; ++c) acc[i][c] = splat(0.f);
+  for (int dd = 0; dd < d; ++dd) {
+    vf b[C];
+    for (int c = 0; c < C; ++c) b[c] = load(KT + dd * KEYS + c * W);
+    for (int i = 0; i < R; ++i) {
+      if (i < rows) {
+        vf a = splat(Q[i * d + dd]);
+        for (int c = 0; c < C; ++c) acc[i][c] += a * b[c];
+      }
+    }
+  }
+  for (int i = 0; i < rows; ++i)
+    for (int c = 0; c < C; ++c) store(S + i * KEYS + c * W, acc[i][c]);
+}
+
+// the first `span` columns of S[M][KEYS] = Q[M][d] K^T
+void scores(const float* Q, int M, int d, const float* KT, int span, float* S) {
+  constexpr int R = SCORE_ROWS, C = SCORE_VECTORS;
+  for (int j = 0; j < span; j += C * W)
+    for (int i = 0; i < M; i += R) {
+      if (M - i >= R) score_tile<R, C>(Q + i * d, R, d, KT + j, S + i * KEYS + j);
+      else score_tile<R, C>(Q + i * d, M - i, d, KT + j, S + i * KEYS + j);
+    }
+}
+
+// O[rows][D] += P[rows][nk] V[nk][D] (V's rows `ldv` apart)
+template <int D, int R>
+inline void pv_tile(const float* P, int rows, int nk, const float* V, int64_t ldv, float* O) {
+  constexpr int C = D / W;
+  vf acc[R][C];
+  for (int i = 0; i < R; ++i)
+    for (int c = 0; c < C; ++c) acc[i][c] = i < rows ? load(O + i * D + c * W) : splat(0.f);
+  for (int j = 0; j < nk; ++j) {
+    vf b[C];
+    for (int c = 0; c < C; ++c) b[c] = load(V + j * ldv + c * W);
+    for (int i = 0; i < R; ++i) {
+      if (i < rows) {
+        vf a = splat(P[i * KEYS + j]);
+        for (int c = 0; c < C; ++c) acc[i][c] += a * b[c];
+      }
+    }
+  }
+  for (int i = 0; i < rows; ++i)
+    for (int c = 0; c < C; ++c) store(O + i * D + c * W, acc[i][c]);
+}
+
+template <int D>
+void accumulate(const float* P, int M, int nk, const float* V, int64_t ldv, float* O) {
+  constexpr int R = OUT_ROWS;
+  for (int i = 0; i < M; i += R) {
+    if (M - i >= R) pv_tile<D, R>(P + i * KEYS, R, nk, V, ldv, O + i * D);
+    else pv_tile<D, R>(P + i * KEYS, M - i, nk, V, ldv, O + i * D);
+  }
+}
+
+struct Problem {
+  const float *q, *k, *v;
+  float* out;
+  int64_t q_stride, k_stride, v_stride, out_stride;
+  int64_t num_q, num_k, hq, hkv;
+  float scale;
+};
+
+// K of every head transposed, one [d][KEYS] tile after another, zero past num_k
+template <int D>
+void pack_keys(const Problem& p, int64_t tiles, float* kt) {
+#pragma omp for collapse(2)
+  for (int64_t h = 0; h < p.hkv; ++h)
+    for (int64_t tile = 0; tile < tiles; ++tile) {
+      float* dst = kt + (h * tiles + tile) * D * KEYS;
+      for (int j = 0; j < KEYS; ++j) {
+        const int64_t key = tile * KEYS + j;
+        const float* src = p.k + key * p.k_stride + h * D;
+        for (int dd = 0; dd < D; ++dd) dst[dd * KEYS + j] = key < p.num_k ? src[dd] : 0.f;
+      }
+    }
+}
+
+// scores of one tile -> probabilities, in place; rescales O and the running max/sum
+template <int D>
+void softmax_tile(float* S, int M, int64_t group, int64_t first_visible, int64_t j0, int nk,
+                  float* O, float* m, float* l) {
+  const int span = (nk + SCORE_VECTORS * W - 1) / (SCORE_VECTORS * W) * (SCORE_VECTORS * W);
+  for (int r = 0; r < M; ++r) {
+    float* s = S + r * KEYS;
+    // row r's token sees keys up to first_visible + r / group
+    const int64_t visible = std::clamp<int64_t>(first_visible + r / group + 1 - j0, 0, nk);
+    for (int j = visible; j < span; ++j) s[j] = -INFINITY;
+    vf mx = splat(-INFINITY);
+    for (int j = 0; j < span; j += W) { vf x = load(s + j); mx = x > mx ? x : mx; }
+    const float mnew = std::max(m[r], hmax(mx));
+    if (mnew != m[r]) {  // e^(old max - new max) scales what was summed so far (0 at first)
+      const float alpha = vexp(splat(m[r] - mnew))[0];
+      l[r] *= alpha;
+      for (int c = 0; c < D; c += W) store(O + r * D + c, load(O + r * D + c) * alpha);
+      m[r] = mnew;
+    }
+    vf sum = splat(0.f), shift = splat(mnew);
+    for (int j = 0; j < span; j += W) {
+      vf e = vexp(load(s + j) - shift);
+      store(s + j, e);
+      sum += e;
+    }
+    l[r] += hsum(sum);
+  }
+}
+
+// one KV head's queries of QUERY_TOKENS tokens from `t0`, through every key they see
+template <int D>
+void attend_unit(const Problem& p, const float* kt_head, int64_t h, int64_t t0, float* Q,
+                 float* S, float* O, float* m, float* l) {
+  const int64_t group = p.hq / p.hkv, tokens = std::min(QUERY_TOKENS, p.num_q - t0);
+  const int M = static_cast<int>(tokens * group);  // rows token-major: token t, head g
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t g = 0; g < group; ++g) {
+      const float* src = p.q + (t0 + t) * p.q_stride + (h * group + g) * D;
+      for (int dd = 0; dd < D; ++dd) Q[(t * group + g) * D + dd] = src[dd] * p.scale;
+    }
+  std::fill(O, O + M * D, 0.f);
+  std::fill(m, m + M, -INFINITY);
+  std::fill(l, l + M, 0.f);
+  const int64_t first_visible = p.num_k - p.num_q + t0;  // the last key token t0 sees
+  const int64_t seen = first_visible + tokens;           // keys the last token sees
+  for (int64_t j0 = 0; j0 < seen; j0 += KEYS) {
+    const int nk = static_cast<int>(std::min<int64_t>(KEYS, seen - j0));
+    const int span = (nk + SCORE_VECTORS * W - 1) / (SCORE_VECTORS * W) * (SCORE_VECTORS * W);
+    scores(Q, M, D, kt_head + (j0 / KEYS) * D * KEYS, span, S);
+    softmax_tile<D>(S, M, group, first_visible, j0, nk, O, m, l);
+    accumulate<D>(S, M, nk, p.v + j0 * p.v_stride + h * D, p.v_stride, O);
+  }
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t g = 0; g < group; ++g) {
+      const int r = static_cast<int>(t * group + g);
+      float* dst = p.out + (t0 + t) * p.out_stride + (h * group + g) * D;
+      const float inv = 1.f / l[r];
+      for (int dd = 0; dd < D; ++dd) dst[dd] = O[r * D + dd] * inv;
+    }
+}
+
+template <int D>
+void attend(const Problem& p, int threads) {
+  const int64_t tiles = (p.num_k + KEYS - 1) / KEYS;
+  std::vector<float> kt(static_cast<size_t>(p.hkv * tiles * D * KEYS));
+  const int64_t blocks = (p.num_q + QUERY_TOKENS - 1) / QUERY_TOKENS, units = p.hkv * blocks;
+  const int64_t rows = QUERY_TOKENS * (p.hq / p.hkv);
+#pragma omp parallel num_threads(threads)
+  {
+    pack_keys<D>(p, tiles, kt.data());  // ends in the loop's barrier
+    std::vector<float> Q(rows * D), S(rows * KEYS), O(rows * D), m(rows), l(rows);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t u = 0; u < units; ++u) {
+      // later query blocks see more keys: the costliest start first
+      const int64_t h = u % p.hkv, block = blocks - 1 - u / p.hkv;
+      attend_unit<D>(p, kt.data() + h * tiles * D * KEYS, h, block * QUERY_TOKENS, Q.data(),
+                     S.data(), O.data(), m.data(), l.data());
+    }
+  }
+}
+
+}  // namespace
+
+// 0: done; 1: a head size this build has no kernel for (the caller falls back)
+extern "C" int fused_causal_attention_f32(
+    const float* q, int64_t q_stride, const float* k, int64_t k_stride, const float* v,
+    int64_t v_stride, float* out, int64_t out_stride, int64_t num_q, int64_t num_k, int64_t hq,
+    int64_t hkv, int64_t head_dim, float scale, int threads) {
+  const Problem p{q, k, v, out, q_stride, k_stride, v_stride, out_stride,
+                  num_q, num_k, hq, hkv, scale};
+  switch (head_dim) {
+    case 16: attend<16>(p, threads); return 0;
+    case 32: attend<32>(p, threads); return 0;
+    case 64: attend<64>(p, threads); return 0;
+    case 96: attend<96>(p, threads); return 0;
+    case 128: attend<128>(p, threads); return 0;
+    case 256: attend<256>(p, threads); return 0;
+    default: return 1;
+  }
+}

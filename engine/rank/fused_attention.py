@@ -1,0 +1,122 @@
+"""A float32 prompt's causal attention as one fused CPU kernel (fused_attention.cpp).
+
+torch's CPU flash kernel spends much of a prompt's attention outside its matrix products. This
+one keeps a tile of queries' scores, softmax and output in the core's caches, runs the query
+heads that share a KV head through each K/V tile together, and multiplies in register tiles of
+the machine's widest vectors: one SmolLM2 layer's 2048-token prompt took 28.1 ms against SDPA's
+39.6, and a 512-token one 2.3 against 4.8 (2 threads of the AVX512 EPYC in BENCHMARKS.md,
+`python -m bench.cpu_ops --dtypes float32`).
+
+It is C++ compiled on first use with the machine's C++ compiler (the one inductor's CPU code
+needs too) for this CPU (-march=native), kept under the engine's cache folder by a hash of the
+source, compiler and CPU, and loaded with ctypes; its OpenMP threads come from the library
+torch already loaded. Where no compiler or build works it is simply not a candidate
+(engine.rank.kernel_choice times it against SDPA, and a CPU where SDPA is faster keeps SDPA).
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import threading
+from pathlib import Path
+
+import torch
+
+from engine.rank.attention import sdpa_attention
+
+log = logging.getLogger("engine")
+
+SOURCE = Path(__file__).with_suffix(".cpp")
+HEAD_DIMS = (16, 32, 64, 96, 128, 256)  # the head sizes the kernel is built for
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+_lock = threading.Lock()
+_library: list = []  # [the loaded function, or None where the build failed]: built once
+
+
+def available() -> bool:
+    """Whether the kernel is built (building it now if need be) and loads on this machine."""
+    return _kernel() is not None
+
+
+def supports(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether the fused kernel takes these queries and keys (float32 CPU tensors, a head size
+    it is built for, whole query groups per KV head); else the caller runs SDPA."""
+    return (q.dtype == k.dtype == torch.float32 and q.device.type == k.device.type == "cpu"
+            and q.shape[-1] in HEAD_DIMS and q.shape[1] % k.shape[1] == 0
+            and len(k) >= len(q) > 0)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """q: [Tq, hq, d], the last Tq positions of a context whose keys/values are k, v [Tk, hkv, d]
+    (query head h reads KV head h // (hq / hkv)). Returns [Tq, hq, d]. Inputs the kernel does
+    not take (engine.rank.fused_attention.supports), or a machine without it: SDPA."""
+    kernel = _kernel()
+    if kernel is None or not supports(q, k):
+        return sdpa_attention(q, k, v, scale, shared_kv=k.shape[1] != q.shape[1])
+    q, k, v = (_heads_contiguous(t) for t in (q, k, v))
+    out = torch.empty(q.shape, dtype=q.dtype)
+    status = kernel(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(),
+                    v.stride(0), out.data_ptr(), out.stride(0), len(q), len(k), q.shape[1],
+                    k.shape[1], q.shape[2], scale, torch.get_num_threads())
+    if status != 0:
+        raise RuntimeError(f"fused attention has no kernel for head size {q.shape[2]}")
+    return out
+
+
+def _heads_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """t with each row's heads side by side (rows may be strided, as the QKV output's views)."""
+    if t.stride(2) == 1 and t.stride(1) == t.shape[2]:
+        return t
+    return t.contiguous()
+
+
+def _kernel():
+    with _lock:
+        if not _library:
+            _library.append(_load())
+        return _library[0]
+
+
+def _load():
+    try:
+        path = _build()
+        function = ctypes.CDLL(str(path)).fused_causal_attention_f32
+    except (OSError, subprocess.SubprocessError, RuntimeError) as e:
+        log.warning("the fused CPU attention is unavailable here (%s); prompts keep SDPA", e)
+        return None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    function.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, i64, i64,
+                         ctypes.c_float, ctypes.c_int]
+    function.restype = ctypes.c_int
+    return function
+
+
+def _build() -> Path:
+    """The library for this source, compiler and CPU: built once, kept, found by later starts."""
+    from engine.rank.kernel_choice import cache_dir, machine_key  # which imports this module
+
+    compiler = shutil.which(os.environ.get("CXX", "g++"))
+    if compiler is None:
+        raise RuntimeError("no C++ compiler (set CXX, or install g++)")
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
+                             timeout=60, check=True).stdout
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([source, version.encode(), machine_key().encode(),
+                                     " ".join(FLAGS).encode()])).hexdigest()[:16]
+    path = cache_dir() / "kernels" / f"fused_attention-{key}.so"
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
+    done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(partial)],
+                          capture_output=True, text=True, timeout=300)
+    if done.returncode != 0:
+        partial.unlink(missing_ok=True)
+        raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-500:]}")
+    os.replace(partial, path)  # another rank building at once replaces it with the same bytes
+    return path

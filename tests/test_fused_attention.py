@@ -1,0 +1,160 @@
+"""engine.rank.fused_attention, the float32 CPU attention built from C++ on this machine, against
+a float64 softmax(QKᵀ)V with an explicit causal mask: whole prompts and chunks after cached keys,
+grouped and ungrouped heads, every head size it is built for, lengths that are not multiples of
+its tiles, strided rows as the QKV projection's views give it, one thread and two. Inputs it does
+not take, and a machine where it cannot be built, get SDPA's answer; an engine where it wins the
+timing runs it in every layer of a prompt and gives the tokens of the built-in choice."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.rank import fused_attention as fa
+from engine.rank import kernel_choice as kc
+from tests.reference import causal_attention_float64
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path_factory, monkeypatch):
+    # one build for the module's tests (not the user's cache); kernel choices time afresh
+    monkeypatch.setenv("PREFILL_ENGINE_CACHE", str(tmp_path_factory.getbasetemp() / "fused"))
+
+
+def _qkv(q_len: int, kv_len: int, heads: int, kv_heads: int, d: int, seed: int):
+    """q, k, v as views of one [kv_len, (heads + 2 kv_heads) d] buffer, as the QKV projection's
+    output is split: strided rows, contiguous heads."""
+    gen = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(kv_len, (heads + 2 * kv_heads) * d, generator=gen)
+    q = qkv[kv_len - q_len:, :heads * d].view(q_len, heads, d)
+    k = qkv[:, heads * d:(heads + kv_heads) * d].view(kv_len, kv_heads, d)
+    v = qkv[:, (heads + kv_heads) * d:].view(kv_len, kv_heads, d)
+    return q, k, v
+
+
+def test_it_builds_here():
+    """CI's machines have g++: a build failure here is a bug, not a fallback."""
+    assert fa.available()
+
+
+@pytest.mark.parametrize("q_len,kv_len", [(1, 1), (2, 2), (37, 37), (300, 300), (5, 41),
+                                          (130, 400), (17, 129)])
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4), (8, 1)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_matches_float64(q_len, kv_len, heads, kv_heads, threads):
+    q, k, v = _qkv(q_len, kv_len, heads, kv_heads, 64, seed=q_len * 1000 + kv_len + heads)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = fa.causal_attention(q, k, v, 0.125)
+    finally:
+        torch.set_num_threads(before)
+    assert out.shape == q.shape and out.dtype == torch.float32
+    torch.testing.assert_close(out.double(), causal_attention_float64(q, k, v, 0.125),
+                               atol=2e-6, rtol=0)
+
+
+@pytest.mark.parametrize("d", fa.HEAD_DIMS)
+def test_every_head_size_it_is_built_for(d):
+    q, k, v = (t.contiguous() for t in _qkv(50, 200, 6, 2, d, seed=d))
+    torch.testing.assert_close(fa.causal_attention(q, k, v, d ** -0.5).double(),
+                               causal_attention_float64(q, k, v, d ** -0.5), atol=2e-6, rtol=0)
+
+
+def test_large_scores_and_a_single_visible_key_stay_finite():
+    """Scores of a few hundred (e^s overflows float32 unless the softmax subtracts its max): as
+    close to float64 as float32 SDPA gets; and a first query that sees only key 0 whatever the
+    rest of its tile holds."""
+    q, k, v = _qkv(200, 200, 4, 2, 32, seed=3)
+    q = q * 30
+    out = fa.causal_attention(q, k, v, 1.0)
+    assert out.isfinite().all()
+    ref = causal_attention_float64(q, k, v, 1.0)
+    sdpa = kc.attention_kernels(torch.float32)["sdpa"](q, k, v, 1.0)
+    assert (out.double() - ref).abs().max() <= 2 * (sdpa.double() - ref).abs().max() + 1e-6
+    torch.testing.assert_close(out[0, :2], v[0, :1].expand(2, -1))
+
+
+@pytest.mark.parametrize("case", ["head size 24", "bfloat16", "more queries than keys"])
+def test_inputs_it_does_not_take_get_sdpas_answer(case):
+    q, k, v = _qkv(20, 30, 6, 2, 24 if case == "head size 24" else 32, seed=7)
+    if case == "bfloat16":
+        q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))
+    if case == "more queries than keys":
+        q = torch.cat([q, q])[:35]
+        assert not fa.supports(q, k)
+        return
+    assert not fa.supports(q, k)
+    out = fa.causal_attention(q, k, v, 0.2)
+    tol = 3e-2 if q.dtype == torch.bfloat16 else 2e-6
+    torch.testing.assert_close(out.double(), causal_attention_float64(q, k, v, 0.2),
+                               atol=tol, rtol=0)
+
+
+def test_heads_that_are_not_side_by_side_are_copied_not_misread():
+    """One KV head broadcast to two (stride 0 between heads), and queries in head-major memory."""
+    q, k, v = _qkv(40, 40, 4, 1, 32, seed=9)
+    k, v = k.expand(-1, 2, -1), v.expand(-1, 2, -1)
+    q = q.transpose(0, 1).contiguous().transpose(0, 1)
+    torch.testing.assert_close(fa.causal_attention(q, k, v, 0.2).double(),
+                               causal_attention_float64(q, k, v, 0.2), atol=2e-6, rtol=0)
+
+
+def test_a_machine_without_a_compiler_keeps_sdpa(monkeypatch, tmp_path, caplog):
+    """No compiler: one warning, no "fused" candidate, and the function still answers (SDPA)."""
+    monkeypatch.setattr(fa, "_library", [])
+    monkeypatch.setenv("PREFILL_ENGINE_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    assert not fa.available()
+    assert "unavailable" in caplog.text and "no C++ compiler" in caplog.text
+    assert "fused" not in kc.attention_kernels(torch.float32)
+    q, k, v = _qkv(20, 20, 4, 2, 32, seed=8)
+    torch.testing.assert_close(fa.causal_attention(q, k, v, 0.2).double(),
+                               causal_attention_float64(q, k, v, 0.2), atol=2e-6, rtol=0)
+    assert not list(tmp_path.glob("kernels/*"))
+
+
+def test_a_build_is_kept_and_found_by_the_next_start(monkeypatch, tmp_path):
+    monkeypatch.setenv("PREFILL_ENGINE_CACHE", str(tmp_path))
+    first = fa._build()
+    assert first.parent == tmp_path / "kernels" and first.suffix == ".so"
+    mtime = first.stat().st_mtime_ns
+    assert fa._build() == first and first.stat().st_mtime_ns == mtime
+    assert [p.name for p in (tmp_path / "kernels").iterdir()] == [first.name]  # no leftovers
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_an_engine_where_it_wins_runs_it_and_keeps_the_tokens(tiny_model_dir, monkeypatch,
+                                                              tmp_path, compile):
+    """The fused kernel made to win every prompt bucket: each layer of each prompt step runs it
+    (eagerly and through the compiled prompt graph's attention op), over the whole prompt and
+    over a chunk after a prefix-cache hit, and the greedy tokens are those of the built-in
+    choice (SDPA)."""
+    import json
+
+    from engine import LLM, SamplingParams
+
+    monkeypatch.setenv("PREFILL_ENGINE_CACHE", str(tmp_path))  # nothing timed before
+    timed = kc._time_attention
+    monkeypatch.setattr(kc, "_time_attention", lambda heads, tokens, dtype, kernels, queries=None: (
+        {"sdpa": 3e-3, "blocked": 3e-3, "fused": 1e-3} if queries is None
+        else timed(heads, tokens, dtype, kernels, queries)))
+    real, calls = fa.causal_attention, []
+    monkeypatch.setattr(fa, "causal_attention",
+                        lambda q, k, *rest: calls.append((len(q), len(k))) or real(q, k, *rest))
+    path = tiny_model_dir("llama")
+    layers = json.loads((path / "config.json").read_text())["num_hidden_layers"]
+    prompt = [(7 * i) % 200 + 3 for i in range(40)]
+    tokens = {}
+    for choice in ("measure", "fixed"):
+        with LLM(str(path), kernel_choice=choice, compile=compile, block_size=16) as llm:
+            calls.clear()
+            tokens[choice] = [llm.generate([p], SamplingParams(max_tokens=4))[0].token_ids
+                              for p in (prompt, prompt + [9, 8, 7])]
+            if choice == "measure":
+                [info] = llm.rank_info()
+                picked = list(calls)
+    assert any(line.startswith("attention") and ": fused (" in line for line in info.kernels)
+    # the first prompt whole; the second's last 11 tokens after its 32 cached ones
+    assert picked == [(40, 40)] * layers + [(11, 43)] * layers
+    assert calls == []  # the built-in choice never runs it
+    assert tokens["measure"] == tokens["fixed"]
