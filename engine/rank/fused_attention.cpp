@@ -1,6 +1,7 @@
-// Causal attention of a float32 prompt (or a prompt chunk after cached keys) on a CPU, fused:
-// scores, online softmax and the product with V for a tile of queries stay in the core's
-// caches, and the query heads that share a KV head go through each K/V tile together.
+// Causal attention of a prompt (or a prompt chunk after cached keys) on a CPU, fused: scores,
+// online softmax and the product with V for a tile of queries stay in the core's caches, and
+// the query heads that share a KV head go through each K/V tile together. float32 or bfloat16
+// inputs and output; the arithmetic is float32 either way (bf16 K and V are widened once).
 // Built and loaded by engine/rank/fused_attention.py, for the CPU it runs on (-march=native).
 //
 // Queries are the last num_q positions of a context of num_k keys. q [num_q, hq, d],
@@ -9,7 +10,11 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <new>
+#include <type_traits>
 #include <vector>
+
+#include <omp.h>
 #if defined(__AVX512F__)
 #include <immintrin.h>
 constexpr int W = 16;  // floats per vector register
@@ -29,6 +34,22 @@ constexpr int OUT_ROWS = 6;                       // rows of the register tile o
 // the tile sizes above timed fastest of those tried for SmolLM2's heads on an AVX512 EPYC
 
 inline vf splat(float x) { return vf{} + x; }
+
+// bfloat16 is float32's upper half: widening appends zeros; narrowing rounds to nearest even
+struct bf16 { uint16_t bits; };
+inline float widen(float x) { return x; }
+inline float widen(bf16 x) {
+  const uint32_t bits = static_cast<uint32_t>(x.bits) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+inline void narrow(float x, float* out) { *out = x; }
+inline void narrow(float x, bf16* out) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  out->bits = std::isnan(x) ? 0x7FC0 : static_cast<uint16_t>((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+}
 inline vf load(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 
@@ -133,27 +154,38 @@ void accumulate(const float* P, int M, int nk, const float* V, int64_t ldv, floa
   }
 }
 
+template <typename T>
 struct Problem {
-  const float *q, *k, *v;
-  float* out;
+  const T *q, *k, *v;
+  T* out;
   int64_t q_stride, k_stride, v_stride, out_stride;
   int64_t num_q, num_k, hq, hkv;
   float scale;
 };
 
-// K of every head transposed, one [d][KEYS] tile after another, zero past num_k
-template <int D>
-void pack_keys(const Problem& p, int64_t tiles, float* kt) {
-#pragma omp for collapse(2)
+// K of every head transposed, one [d][KEYS] tile after another, zero past num_k; and bf16 V
+// widened, [hkv][num_k][d] (float32 V is read where it is)
+template <typename T, int D>
+void pack(const Problem<T>& p, int64_t tiles, float* kt, float* vt) {
+#pragma omp for collapse(2) nowait
   for (int64_t h = 0; h < p.hkv; ++h)
     for (int64_t tile = 0; tile < tiles; ++tile) {
       float* dst = kt + (h * tiles + tile) * D * KEYS;
       for (int j = 0; j < KEYS; ++j) {
         const int64_t key = tile * KEYS + j;
-        const float* src = p.k + key * p.k_stride + h * D;
-        for (int dd = 0; dd < D; ++dd) dst[dd * KEYS + j] = key < p.num_k ? src[dd] : 0.f;
+        const T* src = p.k + key * p.k_stride + h * D;
+        for (int dd = 0; dd < D; ++dd) dst[dd * KEYS + j] = key < p.num_k ? widen(src[dd]) : 0.f;
       }
     }
+  if (vt == nullptr) {
+#pragma omp barrier
+    return;
+  }
+#pragma omp for collapse(2)
+  for (int64_t h = 0; h < p.hkv; ++h)
+    for (int64_t key = 0; key < p.num_k; ++key)
+      for (int dd = 0; dd < D; ++dd)
+        vt[(h * p.num_k + key) * D + dd] = widen(p.v[key * p.v_stride + h * D + dd]);
 }
 
 // scores of one tile -> probabilities, in place; rescales O and the running max/sum
@@ -186,15 +218,15 @@ void softmax_tile(float* S, int M, int64_t group, int64_t first_visible, int64_t
 }
 
 // one KV head's queries of QUERY_TOKENS tokens from `t0`, through every key they see
-template <int D>
-void attend_unit(const Problem& p, const float* kt_head, int64_t h, int64_t t0, float* Q,
-                 float* S, float* O, float* m, float* l) {
+template <typename T, int D>
+void attend_unit(const Problem<T>& p, const float* kt_head, const float* v_head, int64_t ldv,
+                 int64_t h, int64_t t0, float* Q, float* S, float* O, float* m, float* l) {
   const int64_t group = p.hq / p.hkv, tokens = std::min(QUERY_TOKENS, p.num_q - t0);
   const int M = static_cast<int>(tokens * group);  // rows token-major: token t, head g
   for (int64_t t = 0; t < tokens; ++t)
     for (int64_t g = 0; g < group; ++g) {
-      const float* src = p.q + (t0 + t) * p.q_stride + (h * group + g) * D;
-      for (int dd = 0; dd < D; ++dd) Q[(t * group + g) * D + dd] = src[dd] * p.scale;
+      const T* src = p.q + (t0 + t) * p.q_stride + (h * group + g) * D;
+      for (int dd = 0; dd < D; ++dd) Q[(t * group + g) * D + dd] = widen(src[dd]) * p.scale;
     }
   std::fill(O, O + M * D, 0.f);
   std::fill(m, m + M, -INFINITY);
@@ -206,53 +238,79 @@ void attend_unit(const Problem& p, const float* kt_head, int64_t h, int64_t t0, 
     const int span = (nk + SCORE_VECTORS * W - 1) / (SCORE_VECTORS * W) * (SCORE_VECTORS * W);
     scores(Q, M, D, kt_head + (j0 / KEYS) * D * KEYS, span, S);
     softmax_tile<D>(S, M, group, first_visible, j0, nk, O, m, l);
-    accumulate<D>(S, M, nk, p.v + j0 * p.v_stride + h * D, p.v_stride, O);
+    accumulate<D>(S, M, nk, v_head + j0 * ldv, ldv, O);
   }
   for (int64_t t = 0; t < tokens; ++t)
     for (int64_t g = 0; g < group; ++g) {
       const int r = static_cast<int>(t * group + g);
-      float* dst = p.out + (t0 + t) * p.out_stride + (h * group + g) * D;
+      T* dst = p.out + (t0 + t) * p.out_stride + (h * group + g) * D;
       const float inv = 1.f / l[r];
-      for (int dd = 0; dd < D; ++dd) dst[dd] = O[r * D + dd] * inv;
+      for (int dd = 0; dd < D; ++dd) narrow(O[r * D + dd] * inv, dst + dd);
     }
 }
 
-template <int D>
-void attend(const Problem& p, int threads) {
+template <typename T, int D>
+void attend(const Problem<T>& p, int threads) {
+  constexpr bool widened_v = !std::is_same_v<T, float>;
   const int64_t tiles = (p.num_k + KEYS - 1) / KEYS;
-  std::vector<float> kt(static_cast<size_t>(p.hkv * tiles * D * KEYS));
   const int64_t blocks = (p.num_q + QUERY_TOKENS - 1) / QUERY_TOKENS, units = p.hkv * blocks;
   const int64_t rows = QUERY_TOKENS * (p.hq / p.hkv);
+  const int64_t per_thread = rows * D * 2 + rows * KEYS + rows * 2;  // Q, O, S, max, sum
+  // every buffer before the parallel region: an exception cannot leave one
+  std::vector<float> kt(static_cast<size_t>(p.hkv * tiles * D * KEYS));
+  std::vector<float> vt(widened_v ? static_cast<size_t>(p.hkv * p.num_k * D) : 0);
+  std::vector<float> scratch(static_cast<size_t>(threads * per_thread));
 #pragma omp parallel num_threads(threads)
   {
-    pack_keys<D>(p, tiles, kt.data());  // ends in the loop's barrier
-    std::vector<float> Q(rows * D), S(rows * KEYS), O(rows * D), m(rows), l(rows);
+    pack<T, D>(p, tiles, kt.data(), widened_v ? vt.data() : nullptr);  // ends in a barrier
+    float* Q = scratch.data() + omp_get_thread_num() * per_thread;
+    float *O = Q + rows * D, *S = O + rows * D, *m = S + rows * KEYS, *l = m + rows;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t u = 0; u < units; ++u) {
       // later query blocks see more keys: the costliest start first
       const int64_t h = u % p.hkv, block = blocks - 1 - u / p.hkv;
-      attend_unit<D>(p, kt.data() + h * tiles * D * KEYS, h, block * QUERY_TOKENS, Q.data(),
-                     S.data(), O.data(), m.data(), l.data());
+      const float* v_head = widened_v ? vt.data() + h * p.num_k * D
+                                      : reinterpret_cast<const float*>(p.v) + h * D;
+      attend_unit<T, D>(p, kt.data() + h * tiles * D * KEYS, v_head, widened_v ? D : p.v_stride,
+                        h, block * QUERY_TOKENS, Q, S, O, m, l);
     }
+  }
+}
+
+template <typename T>
+int attend_any(const Problem<T>& p, int64_t head_dim, int threads) {
+  switch (head_dim) {
+    case 16: attend<T, 16>(p, threads); return 0;
+    case 32: attend<T, 32>(p, threads); return 0;
+    case 64: attend<T, 64>(p, threads); return 0;
+    case 96: attend<T, 96>(p, threads); return 0;
+    case 128: attend<T, 128>(p, threads); return 0;
+    case 256: attend<T, 256>(p, threads); return 0;
+    default: return 1;
   }
 }
 
 }  // namespace
 
-// 0: done; 1: a head size this build has no kernel for (the caller falls back)
-extern "C" int fused_causal_attention_f32(
-    const float* q, int64_t q_stride, const float* k, int64_t k_stride, const float* v,
-    int64_t v_stride, float* out, int64_t out_stride, int64_t num_q, int64_t num_k, int64_t hq,
-    int64_t hkv, int64_t head_dim, float scale, int threads) {
-  const Problem p{q, k, v, out, q_stride, k_stride, v_stride, out_stride,
-                  num_q, num_k, hq, hkv, scale};
-  switch (head_dim) {
-    case 16: attend<16>(p, threads); return 0;
-    case 32: attend<32>(p, threads); return 0;
-    case 64: attend<64>(p, threads); return 0;
-    case 96: attend<96>(p, threads); return 0;
-    case 128: attend<128>(p, threads); return 0;
-    case 256: attend<256>(p, threads); return 0;
-    default: return 1;
+// `bfloat16`: 0 float32 tensors, 1 bfloat16 ones. Returns 0: done; 1: a head size this build
+// has no kernel for; 2: out of memory for its buffers. No C++ exception crosses into the caller
+// (ctypes): it would end the process.
+extern "C" int fused_causal_attention(
+    const void* q, int64_t q_stride, const void* k, int64_t k_stride, const void* v,
+    int64_t v_stride, void* out, int64_t out_stride, int64_t num_q, int64_t num_k, int64_t hq,
+    int64_t hkv, int64_t head_dim, float scale, int bfloat16, int threads) {
+  try {
+    if (bfloat16) {
+      const Problem<bf16> p{static_cast<const bf16*>(q), static_cast<const bf16*>(k),
+                            static_cast<const bf16*>(v), static_cast<bf16*>(out), q_stride,
+                            k_stride, v_stride, out_stride, num_q, num_k, hq, hkv, scale};
+      return attend_any(p, head_dim, threads);
+    }
+    const Problem<float> p{static_cast<const float*>(q), static_cast<const float*>(k),
+                           static_cast<const float*>(v), static_cast<float*>(out), q_stride,
+                           k_stride, v_stride, out_stride, num_q, num_k, hq, hkv, scale};
+    return attend_any(p, head_dim, threads);
+  } catch (const std::bad_alloc&) {
+    return 2;
   }
 }

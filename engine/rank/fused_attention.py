@@ -1,4 +1,4 @@
-"""A float32 prompt's causal attention as one fused CPU kernel (fused_attention.cpp).
+"""A prompt's causal attention as one fused CPU kernel (fused_attention.cpp), float32 or bf16.
 
 torch's CPU flash kernel spends much of a prompt's attention outside its matrix products. This
 one keeps a tile of queries' scores, softmax and output in the core's caches, runs the query
@@ -42,12 +42,16 @@ def available() -> bool:
     return _kernel() is not None
 
 
-def supports(q: torch.Tensor, k: torch.Tensor) -> bool:
-    """Whether the fused kernel takes these queries and keys (float32 CPU tensors, a head size
-    it is built for, whole query groups per KV head); else the caller runs SDPA."""
-    return (q.dtype == k.dtype == torch.float32 and q.device.type == k.device.type == "cpu"
+DTYPES = (torch.float32, torch.bfloat16)  # bf16 is widened as it is read: float32 arithmetic
+
+
+def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether the fused kernel takes these queries and keys (CPU tensors of one of DTYPES, a
+    head size it is built for, whole query groups per KV head); else the caller runs SDPA."""
+    return (q.dtype == k.dtype == v.dtype and q.dtype in DTYPES
+            and q.device.type == k.device.type == v.device.type == "cpu"
             and q.shape[-1] in HEAD_DIMS and q.shape[1] % k.shape[1] == 0
-            and len(k) >= len(q) > 0)
+            and len(k) == len(v) >= len(q) > 0 and k.shape[1:] == v.shape[1:])
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -56,13 +60,17 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     (query head h reads KV head h // (hq / hkv)). Returns [Tq, hq, d]. Inputs the kernel does
     not take (engine.rank.fused_attention.supports), or a machine without it: SDPA."""
     kernel = _kernel()
-    if kernel is None or not supports(q, k):
+    if kernel is None or not supports(q, k, v):
         return sdpa_attention(q, k, v, scale, shared_kv=k.shape[1] != q.shape[1])
     q, k, v = (_heads_contiguous(t) for t in (q, k, v))
     out = torch.empty(q.shape, dtype=q.dtype)
     status = kernel(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(),
                     v.stride(0), out.data_ptr(), out.stride(0), len(q), len(k), q.shape[1],
-                    k.shape[1], q.shape[2], scale, torch.get_num_threads())
+                    k.shape[1], q.shape[2], scale, q.dtype == torch.bfloat16,
+                    torch.get_num_threads())
+    if status == 2:
+        raise MemoryError(f"fused attention: no memory for the buffers of {len(q)} queries over "
+                          f"{len(k)} keys")
     if status != 0:
         raise RuntimeError(f"fused attention has no kernel for head size {q.shape[2]}")
     return out
@@ -85,13 +93,13 @@ def _kernel():
 def _load():
     try:
         path = _build()
-        function = ctypes.CDLL(str(path)).fused_causal_attention_f32
+        function = ctypes.CDLL(str(path)).fused_causal_attention
     except (OSError, subprocess.SubprocessError, RuntimeError) as e:
         log.warning("the fused CPU attention is unavailable here (%s); prompts keep SDPA", e)
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     function.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, i64, i64,
-                         ctypes.c_float, ctypes.c_int]
+                         ctypes.c_float, ctypes.c_int, ctypes.c_int]
     function.restype = ctypes.c_int
     return function
 

@@ -109,11 +109,11 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> to
 
 def attention_kernels(dtype: torch.dtype) -> dict[str, Callable]:
     """(q [Tq, hq, d], k/v [Tk, hkv, d], scale) -> [Tq, hq, d]: a prompt's causal attention.
-    "sdpa" (the built-in for float32), "blocked" (bf16's where oneDNN multiplies bf16) and, for
-    float32 where it builds, "fused" (engine.rank.fused_attention: 2.0x SDPA at 512 tokens and
-    1.4x at 2048 for SmolLM2's heads on the AVX512 EPYC, `python -m bench.cpu_ops`)."""
+    "sdpa" (the built-in for float32), "blocked" (bf16's where oneDNN multiplies bf16) and,
+    where it builds, "fused" (engine.rank.fused_attention: in float32 2.0x SDPA at 512 tokens
+    and 1.4x at 2048 for SmolLM2's heads on the AVX512 EPYC, `python -m bench.cpu_ops`)."""
     kernels = {"sdpa": _sdpa, "blocked": blocked_causal_attention}
-    if dtype == torch.float32 and fused_attention.available():
+    if dtype in fused_attention.DTYPES and fused_attention.available():
         kernels["fused"] = fused_attention.causal_attention
     return kernels
 
