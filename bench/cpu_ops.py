@@ -8,7 +8,7 @@ against a multiply-and-sum (what the compiled decode graph uses for 1-2 rows), a
 reading plain weights against weights packed for one row, 30 layers' decode products in one
 graph against one graph a layer, and the cost of one call of the decode graph's KV store op.
 Prompt attention also runs as compiled flex attention (inductor's CPU template), checked
-against SDPA, and in float32 as the engine's fused kernel (engine/rank/fused_attention). Runs alternate; the fastest of each is kept.
+against SDPA, and as the engine's fused kernel (engine/rank/fused_attention). Runs alternate; the fastest of each is kept.
 
     .venv/bin/python -m bench.cpu_ops
 """
@@ -103,8 +103,8 @@ def packed_decode_rows(rows: int, repeats: int) -> dict[str, float]:
 def attention(q_len: int, kv_len: int, dtype: torch.dtype, repeats: int) -> dict[str, float]:
     """The last q_len queries of a kv_len context (q_len < kv_len: a chunk after a prefix):
     torch's SDPA, the engine's blocked attention, compiled flex attention (inductor's CPU
-    template) with a block mask of the same causal pattern, checked against SDPA, and in
-    float32 the engine's fused kernel (where it is built)."""
+    template) with a block mask of the same causal pattern, checked against SDPA, and the
+    engine's fused kernel (where it is built)."""
     q = torch.randn(q_len, HEADS, HEAD_DIM, dtype=dtype)
     k, v = (torch.randn(kv_len, KV_HEADS, HEAD_DIM, dtype=dtype) for _ in range(2))
     mask = None if q_len == kv_len else (
@@ -118,7 +118,7 @@ def attention(q_len: int, kv_len: int, dtype: torch.dtype, repeats: int) -> dict
     torch.testing.assert_close(flex(), sdpa(), atol=tolerance, rtol=0)
     candidates = {"SDPA": sdpa, "flex": flex,
                   "blocked": lambda: blocked_causal_attention(q, k, v, HEAD_DIM ** -0.5)}
-    if dtype == torch.float32 and fused_attention.available():
+    if dtype in fused_attention.DTYPES and fused_attention.available():
         candidates["fused"] = lambda: fused_attention.causal_attention(q, k, v, HEAD_DIM ** -0.5)
     t = fastest(candidates, repeats)
     return {name: s * 1e3 for name, s in t.items()}

@@ -188,15 +188,18 @@ void pack(const Problem<T>& p, int64_t tiles, float* kt, float* vt) {
         vt[(h * p.num_k + key) * D + dd] = widen(p.v[key * p.v_stride + h * D + dd]);
 }
 
-// scores of one tile -> probabilities, in place; rescales O and the running max/sum
+// scores of one tile (times `scale`) -> probabilities, in place, and rounded to bf16 into
+// P16 where given; rescales O and the running max/sum
 template <int D>
 void softmax_tile(float* S, int M, int64_t group, int64_t first_visible, int64_t j0, int nk,
-                  float* O, float* m, float* l) {
+                  float scale, float* O, float* m, float* l, uint16_t* P16) {
   const int span = (nk + SCORE_VECTORS * W - 1) / (SCORE_VECTORS * W) * (SCORE_VECTORS * W);
   for (int r = 0; r < M; ++r) {
     float* s = S + r * KEYS;
     // row r's token sees keys up to first_visible + r / group
     const int64_t visible = std::clamp<int64_t>(first_visible + r / group + 1 - j0, 0, nk);
+    if (scale != 1.f)
+      for (int j = 0; j < visible; j += W) store(s + j, load(s + j) * scale);  // past: masked
     for (int j = visible; j < span; ++j) s[j] = -INFINITY;
     vf mx = splat(-INFINITY);
     for (int j = 0; j < span; j += W) { vf x = load(s + j); mx = x > mx ? x : mx; }
@@ -212,6 +215,10 @@ void softmax_tile(float* S, int M, int64_t group, int64_t first_visible, int64_t
       vf e = vexp(load(s + j) - shift);
       store(s + j, e);
       sum += e;
+#if defined(__AVX512BF16__)
+      if (P16 != nullptr) _mm256_storeu_si256(reinterpret_cast<__m256i*>(P16 + r * KEYS + j),
+                                              (__m256i)_mm512_cvtneps_pbh((__m512)e));
+#endif
     }
     l[r] += hsum(sum);
   }
@@ -237,7 +244,7 @@ void attend_unit(const Problem<T>& p, const float* kt_head, const float* v_head,
     const int nk = static_cast<int>(std::min<int64_t>(KEYS, seen - j0));
     const int span = (nk + SCORE_VECTORS * W - 1) / (SCORE_VECTORS * W) * (SCORE_VECTORS * W);
     scores(Q, M, D, kt_head + (j0 / KEYS) * D * KEYS, span, S);
-    softmax_tile<D>(S, M, group, first_visible, j0, nk, O, m, l);
+    softmax_tile<D>(S, M, group, first_visible, j0, nk, 1.f, O, m, l, nullptr);
     accumulate<D>(S, M, nk, v_head + j0 * ldv, ldv, O);
   }
   for (int64_t t = 0; t < tokens; ++t)
@@ -277,15 +284,180 @@ void attend(const Problem<T>& p, int threads) {
   }
 }
 
+#if defined(__AVX512BF16__)
+// bf16 inputs on a CPU with bf16 dot products (AVX512-BF16): each instruction multiplies pairs
+// of bf16 and adds both products to a float32 lane, so the products read K, V and the rounded
+// probabilities as pairs along their sum's index: K as [d/2][KEYS][2] per tile, V as
+// [keys/2][d][2]. Scores are float32 sums of exact bf16 products; the probabilities are rounded
+// to bf16 for P V, as torch's bf16 attention rounds them.
+static_assert(W == 16, "the pairs below fill 512-bit registers");
+
+inline __m512bh pairs(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
+inline __m512bh pair_splat(const uint16_t* p) {
+  uint32_t both;
+  std::memcpy(&both, p, sizeof both);
+  return (__m512bh)_mm512_set1_epi32(static_cast<int>(both));
+}
+
+template <int R, int C>
+inline void score_tile_dot(const uint16_t* Q, int rows, int d, const uint16_t* KT, float* S) {
+  __m512 acc[R][C];
+  for (int i = 0; i < R; ++i)
+    for (int c = 0; c < C; ++c) acc[i][c] = _mm512_setzero_ps();
+  for (int dd = 0; dd < d; dd += 2) {
+    __m512bh b[C];
+    for (int c = 0; c < C; ++c) b[c] = pairs(KT + (dd / 2 * KEYS + c * W) * 2);
+    for (int i = 0; i < R; ++i) {
+      if (i < rows) {
+        const __m512bh a = pair_splat(Q + i * d + dd);
+        for (int c = 0; c < C; ++c) acc[i][c] = _mm512_dpbf16_ps(acc[i][c], a, b[c]);
+      }
+    }
+  }
+  for (int i = 0; i < rows; ++i)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(S + i * KEYS + c * W, acc[i][c]);
+}
+
+void scores_dot(const uint16_t* Q, int M, int d, const uint16_t* KT, int span, float* S) {
+  constexpr int R = SCORE_ROWS, C = SCORE_VECTORS;
+  for (int j = 0; j < span; j += C * W)
+    for (int i = 0; i < M; i += R) {
+      const uint16_t* kt = KT + j * 2;  // column j of every pair row
+      if (M - i >= R) score_tile_dot<R, C>(Q + i * d, R, d, kt, S + i * KEYS + j);
+      else score_tile_dot<R, C>(Q + i * d, M - i, d, kt, S + i * KEYS + j);
+    }
+}
+
+template <int D, int R>
+inline void pv_tile_dot(const uint16_t* P, int rows, int nk, const uint16_t* VT, float* O) {
+  constexpr int C = D / W;
+  __m512 acc[R][C];
+  for (int i = 0; i < R; ++i)
+    for (int c = 0; c < C; ++c)
+      acc[i][c] = i < rows ? _mm512_loadu_ps(O + i * D + c * W) : _mm512_setzero_ps();
+  for (int j = 0; j < nk; j += 2) {  // an odd tail pairs with a zero probability
+    __m512bh b[C];
+    for (int c = 0; c < C; ++c) b[c] = pairs(VT + (j / 2 * D + c * W) * 2);
+    for (int i = 0; i < R; ++i) {
+      if (i < rows) {
+        const __m512bh a = pair_splat(P + i * KEYS + j);
+        for (int c = 0; c < C; ++c) acc[i][c] = _mm512_dpbf16_ps(acc[i][c], a, b[c]);
+      }
+    }
+  }
+  for (int i = 0; i < rows; ++i)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(O + i * D + c * W, acc[i][c]);
+}
+
+template <int D>
+void accumulate_dot(const uint16_t* P, int M, int nk, const uint16_t* VT, float* O) {
+  constexpr int R = OUT_ROWS;
+  for (int i = 0; i < M; i += R) {
+    if (M - i >= R) pv_tile_dot<D, R>(P + i * KEYS, R, nk, VT, O + i * D);
+    else pv_tile_dot<D, R>(P + i * KEYS, M - i, nk, VT, O + i * D);
+  }
+}
+
+// K and V of every head as pairs, zero past num_k (to a whole tile)
+template <int D>
+void pack_pairs(const Problem<bf16>& p, int64_t tiles, uint16_t* kt, uint16_t* vt) {
+#pragma omp for collapse(2)
+  for (int64_t h = 0; h < p.hkv; ++h)
+    for (int64_t tile = 0; tile < tiles; ++tile) {
+      uint16_t* kdst = kt + (h * tiles + tile) * D * KEYS;
+      uint16_t* vdst = vt + (h * tiles + tile) * D * KEYS;
+      for (int j = 0; j < KEYS; ++j) {
+        const int64_t key = tile * KEYS + j;
+        const bool real = key < p.num_k;
+        const bf16* k = p.k + key * p.k_stride + h * D;
+        const bf16* v = p.v + key * p.v_stride + h * D;
+        for (int dd = 0; dd < D; ++dd) {
+          kdst[(dd / 2 * KEYS + j) * 2 + dd % 2] = real ? k[dd].bits : 0;
+          vdst[(j / 2 * D + dd) * 2 + j % 2] = real ? v[dd].bits : 0;
+        }
+      }
+    }
+}
+
+template <int D>
+void attend_unit_dot(const Problem<bf16>& p, const uint16_t* kt_head, const uint16_t* vt_head,
+                     int64_t h, int64_t t0, uint16_t* Q, float* S, uint16_t* P, float* O,
+                     float* m, float* l) {
+  const int64_t group = p.hq / p.hkv, tokens = std::min(QUERY_TOKENS, p.num_q - t0);
+  const int M = static_cast<int>(tokens * group);
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t g = 0; g < group; ++g) {
+      const bf16* src = p.q + (t0 + t) * p.q_stride + (h * group + g) * D;
+      for (int dd = 0; dd < D; ++dd) Q[(t * group + g) * D + dd] = src[dd].bits;
+    }
+  std::fill(O, O + M * D, 0.f);
+  std::fill(m, m + M, -INFINITY);
+  std::fill(l, l + M, 0.f);
+  const int64_t first_visible = p.num_k - p.num_q + t0, seen = first_visible + tokens;
+  for (int64_t j0 = 0; j0 < seen; j0 += KEYS) {
+    const int nk = static_cast<int>(std::min<int64_t>(KEYS, seen - j0));
+    const int span = (nk + SCORE_VECTORS * W - 1) / (SCORE_VECTORS * W) * (SCORE_VECTORS * W);
+    const int64_t tile = j0 / KEYS;
+    scores_dot(Q, M, D, kt_head + tile * D * KEYS, span, S);
+    softmax_tile<D>(S, M, group, first_visible, j0, nk, p.scale, O, m, l, P);
+    accumulate_dot<D>(P, M, nk, vt_head + tile * D * KEYS, O);
+  }
+  for (int64_t t = 0; t < tokens; ++t)
+    for (int64_t g = 0; g < group; ++g) {
+      const int r = static_cast<int>(t * group + g);
+      bf16* dst = p.out + (t0 + t) * p.out_stride + (h * group + g) * D;
+      const float inv = 1.f / l[r];
+      for (int dd = 0; dd < D; ++dd) narrow(O[r * D + dd] * inv, dst + dd);
+    }
+}
+
+template <int D>
+void attend_dot(const Problem<bf16>& p, int threads) {
+  const int64_t tiles = (p.num_k + KEYS - 1) / KEYS;
+  const int64_t blocks = (p.num_q + QUERY_TOKENS - 1) / QUERY_TOKENS, units = p.hkv * blocks;
+  const int64_t rows = QUERY_TOKENS * (p.hq / p.hkv);
+  // per thread, in float32 slots: S, O, max, sum, then Q and P in bf16 (two per slot)
+  const int64_t per_thread = rows * KEYS + rows * D + rows * 2 + (rows * D + rows * KEYS) / 2;
+  std::vector<uint16_t> kt(static_cast<size_t>(p.hkv * tiles * D * KEYS));
+  std::vector<uint16_t> vt(kt.size());
+  std::vector<float> scratch(static_cast<size_t>(threads * per_thread));
+#pragma omp parallel num_threads(threads)
+  {
+    pack_pairs<D>(p, tiles, kt.data(), vt.data());  // ends in the loop's barrier
+    float* S = scratch.data() + omp_get_thread_num() * per_thread;
+    float *O = S + rows * KEYS, *m = O + rows * D, *l = m + rows;
+    uint16_t* Q = reinterpret_cast<uint16_t*>(l + rows);
+    uint16_t* P = Q + rows * D;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t u = 0; u < units; ++u) {
+      const int64_t h = u % p.hkv, block = blocks - 1 - u / p.hkv;
+      attend_unit_dot<D>(p, kt.data() + h * tiles * D * KEYS, vt.data() + h * tiles * D * KEYS,
+                         h, block * QUERY_TOKENS, Q, S, P, O, m, l);
+    }
+  }
+}
+#endif
+
+template <typename T, int D>
+void attend_on(const Problem<T>& p, int threads) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, bf16>) {
+    attend_dot<D>(p, threads);
+    return;
+  }
+#endif
+  attend<T, D>(p, threads);
+}
+
 template <typename T>
 int attend_any(const Problem<T>& p, int64_t head_dim, int threads) {
   switch (head_dim) {
-    case 16: attend<T, 16>(p, threads); return 0;
-    case 32: attend<T, 32>(p, threads); return 0;
-    case 64: attend<T, 64>(p, threads); return 0;
-    case 96: attend<T, 96>(p, threads); return 0;
-    case 128: attend<T, 128>(p, threads); return 0;
-    case 256: attend<T, 256>(p, threads); return 0;
+    case 16: attend_on<T, 16>(p, threads); return 0;
+    case 32: attend_on<T, 32>(p, threads); return 0;
+    case 64: attend_on<T, 64>(p, threads); return 0;
+    case 96: attend_on<T, 96>(p, threads); return 0;
+    case 128: attend_on<T, 128>(p, threads); return 0;
+    case 256: attend_on<T, 256>(p, threads); return 0;
     default: return 1;
   }
 }

@@ -42,7 +42,8 @@ def available() -> bool:
     return _kernel() is not None
 
 
-DTYPES = (torch.float32, torch.bfloat16)  # bf16 is widened as it is read: float32 arithmetic
+# bf16: float32 sums of bf16 products (AVX512-BF16 pair dot products, or widened copies)
+DTYPES = (torch.float32, torch.bfloat16)
 
 
 def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
