@@ -194,6 +194,18 @@ def test_timings_are_kept_and_a_damaged_file_is_measured_over(cache):
     assert len(json.loads(cache.read_text())) == len(first.picks)
 
 
+def test_a_changed_fused_kernel_times_the_attention_again(cache, monkeypatch):
+    """Prompt attention timings are kept per fused-kernel source: after a change to it (a new
+    version of the engine) the attention buckets are timed again, and nothing else is."""
+    from engine.rank import fused_attention
+
+    _measured()
+    monkeypatch.setattr(fused_attention, "source_hash", lambda: "another kernel")
+    again, _ = _measured()
+    assert {p.op for p in again.picks if not p.from_disk} == {"attention"}
+    assert all(p.from_disk for p in again.picks if p.op != "attention")
+
+
 def test_an_unwritable_cache_still_measures(tmp_path, monkeypatch):
     blocker = tmp_path / "a_file"
     blocker.write_text("")

@@ -77,6 +77,11 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     return out
 
 
+def source_hash() -> str:
+    """The kernel's source, hashed: what its timings (engine.rank.kernel_choice) hold for."""
+    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
+
+
 def _heads_contiguous(t: torch.Tensor) -> torch.Tensor:
     """t with each row's heads side by side (rows may be strided, as the QKV output's views)."""
     if t.stride(2) == 1 and t.stride(1) == t.shape[2]:

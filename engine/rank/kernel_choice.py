@@ -263,12 +263,14 @@ class KernelChoice:
                 self.picks.append(pick)
                 self._linear[(*shape, bucket)] = linears[pick.kernel]
         kernels = attention_kernels(self.dtype)
+        # the fused kernel's timings hold for its source only: a changed kernel times again
+        source = f"fused {fused_attention.source_hash()}" if "fused" in kernels else ""
         for bucket in range(1, row_bucket(max_tokens) + 1):  # one-token prompts run as decode
             rows = min(4 ** bucket, max_tokens)
             built_in = "sdpa" if fixed_prompt_kernel(rows, self.dtype) is None else "blocked"
             pick = store.get_or_time(Pick("attention", heads, rows, built_in), self.dtype,
                                      kernels, lambda: _time_attention(heads, rows, self.dtype,
-                                                                      kernels))
+                                                                      kernels), source)
             self.picks.append(pick)
             self._attention[(self.dtype, bucket)] = kernels[pick.kernel]
         self._choose_decode_attention(store, heads, max_context)
