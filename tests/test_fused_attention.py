@@ -123,16 +123,45 @@ def test_a_machine_without_a_compiler_keeps_sdpa(monkeypatch, tmp_path, caplog):
     q, k, v = _qkv(20, 20, 4, 2, 32, seed=8)
     torch.testing.assert_close(fa.causal_attention(q, k, v, 0.2).double(),
                                causal_attention_float64(q, k, v, 0.2), atol=2e-6, rtol=0)
+    assert not list(tmp_path.glob("kernels/*"))  # nothing half-built left
+
+
+def test_a_compiler_that_fails_keeps_sdpa(monkeypatch, tmp_path, caplog):
+    """A compiler that cannot build it (here `false`): one warning naming it, nothing left."""
+    monkeypatch.setattr(fa, "_library", [])
+    monkeypatch.setenv("PREFILL_ENGINE_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", "false")
+    assert not fa.available()
+    assert "unavailable" in caplog.text and "false --version failed" in caplog.text
     assert not list(tmp_path.glob("kernels/*"))
 
 
 def test_a_build_is_kept_and_found_by_the_next_start(monkeypatch, tmp_path):
+    monkeypatch.setattr(fa, "_library", [])
     monkeypatch.setenv("PREFILL_ENGINE_CACHE", str(tmp_path))
-    first = fa._build()
-    assert first.parent == tmp_path / "kernels" and first.suffix == ".so"
+    assert fa.available()
+    [first] = (tmp_path / "kernels").iterdir()  # the library, no leftovers
+    assert first.suffix == ".so"
     mtime = first.stat().st_mtime_ns
-    assert fa._build() == first and first.stat().st_mtime_ns == mtime
-    assert [p.name for p in (tmp_path / "kernels").iterdir()] == [first.name]  # no leftovers
+    assert fa._build(tmp_path / "kernels", "g++") == first and first.stat().st_mtime_ns == mtime
+
+
+@pytest.mark.parametrize("damage", ["an unwritable cache", "a kept library that does not load"])
+def test_a_damaged_cache_builds_it_elsewhere(monkeypatch, tmp_path, damage):
+    """The cache folder cannot take the library, or holds a broken one: the kernel is built in a
+    private temporary folder instead, and works."""
+    monkeypatch.setattr(fa, "_library", [])
+    if damage == "an unwritable cache":
+        (tmp_path / "a_file").write_text("")
+        monkeypatch.setenv("PREFILL_ENGINE_CACHE", str(tmp_path / "a_file" / "cache"))
+    else:
+        monkeypatch.setenv("PREFILL_ENGINE_CACHE", str(tmp_path))
+        kept = fa._build(tmp_path / "kernels", "g++")
+        kept.write_bytes(b"not a library")
+    assert fa.available()
+    q, k, v = _qkv(30, 30, 4, 2, 32, seed=12)
+    torch.testing.assert_close(fa.causal_attention(q, k, v, 0.2).double(),
+                               causal_attention_float64(q, k, v, 0.2), atol=2e-6, rtol=0)
 
 
 @pytest.mark.parametrize("compile", [False, True])

@@ -21,6 +21,7 @@ import logging
 import os
 import shutil
 import subprocess
+import tempfile
 import threading
 from pathlib import Path
 
@@ -89,6 +90,10 @@ def _heads_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous()
 
 
+class CompilerFailed(RuntimeError):
+    """The compiler could not build the kernel (wherever it is put)."""
+
+
 def _kernel():
     with _lock:
         if not _library:
@@ -97,40 +102,53 @@ def _kernel():
 
 
 def _load():
-    try:
-        path = _build()
-        function = ctypes.CDLL(str(path)).fused_causal_attention
-    except (OSError, subprocess.SubprocessError, RuntimeError) as e:
-        log.warning("the fused CPU attention is unavailable here (%s); prompts keep SDPA", e)
-        return None
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    function.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, i64, i64,
-                         ctypes.c_float, ctypes.c_int, ctypes.c_int]
-    function.restype = ctypes.c_int
-    return function
-
-
-def _build() -> Path:
-    """The library for this source, compiler and CPU: built once, kept, found by later starts."""
-    from engine.rank.kernel_choice import cache_dir, machine_key  # which imports this module
+    """The kernel from the cache folder, or, where that fails (a folder that cannot be written,
+    a kept library that does not load), built afresh in a private temporary folder."""
+    from engine.rank.kernel_choice import cache_dir  # which imports this module
 
     compiler = shutil.which(os.environ.get("CXX", "g++"))
     if compiler is None:
-        raise RuntimeError("no C++ compiler (set CXX, or install g++)")
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
-                             timeout=60, check=True).stdout
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, version.encode(), machine_key().encode(),
-                                     " ".join(FLAGS).encode()])).hexdigest()[:16]
-    path = cache_dir() / "kernels" / f"fused_attention-{key}.so"
+        log.warning("the fused CPU attention is unavailable here (no C++ compiler: set CXX, or "
+                    "install g++); prompts keep SDPA")
+        return None
+    error = None
+    for folder in (lambda: cache_dir() / "kernels", lambda: Path(tempfile.mkdtemp())):
+        try:
+            function = ctypes.CDLL(str(_build(folder(), compiler))).fused_causal_attention
+        except (OSError, subprocess.SubprocessError, RuntimeError) as e:
+            error = e
+            if isinstance(e, CompilerFailed):
+                break  # it would fail the same way in another folder
+            continue
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        function.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, i64, i64,
+                             ctypes.c_float, ctypes.c_int, ctypes.c_int]
+        function.restype = ctypes.c_int
+        return function
+    log.warning("the fused CPU attention is unavailable here (%s); prompts keep SDPA", error)
+    return None
+
+
+def _build(folder: Path, compiler: str) -> Path:
+    """The library for this source, compiler and CPU in `folder`: built once, kept, found by
+    later starts."""
+    from engine.rank.kernel_choice import machine_key  # which imports this module
+
+    asked = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60)
+    if asked.returncode != 0:
+        raise CompilerFailed(f"{compiler} --version failed: {asked.stderr.strip()[-300:]}")
+    version = asked.stdout
+    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), version.encode(),
+                                     machine_key().encode(), " ".join(FLAGS).encode()]))
+    path = folder / f"fused_attention-{key.hexdigest()[:16]}.so"
     if path.exists():
         return path
-    path.parent.mkdir(parents=True, exist_ok=True)
+    folder.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
     done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(partial)],
                           capture_output=True, text=True, timeout=300)
     if done.returncode != 0:
         partial.unlink(missing_ok=True)
-        raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-500:]}")
+        raise CompilerFailed(f"{compiler} failed: {done.stderr.strip()[-500:]}")
     os.replace(partial, path)  # another rank building at once replaces it with the same bytes
     return path
