@@ -1,7 +1,8 @@
 // Causal attention of a prompt (or a prompt chunk after cached keys) on a CPU, fused: scores,
 // online softmax and the product with V for a tile of queries stay in the core's caches, and
 // the query heads that share a KV head go through each K/V tile together. float32 or bfloat16
-// inputs and output; the arithmetic is float32 either way (bf16 K and V are widened once).
+// inputs and output, float32 sums either way: bf16 products run as pair dot products where the
+// CPU has them (AVX512-BF16), else on widened copies.
 // Built and loaded by engine/rank/fused_attention.py, for the CPU it runs on (-march=native).
 //
 // Queries are the last num_q positions of a context of num_k keys. q [num_q, hq, d],
@@ -94,64 +95,91 @@ inline vf vexp(vf x) {
   return x <= floor_x ? splat(0.f) : p * two_n;
 }
 
-// S[rows][KEYS] (cols from 0) = Q[rows][d] K^T, K's tile packed as KT[d][KEYS]
-template <int R, int C>
-inline void score_tile(const float* Q, int rows, int d, const float* KT, float* S) {
+// How the products read their operands: float32 values, or (below) bf16 pairs. `Elem` is what
+// Q, K, V and the probabilities are packed as; each multiply takes STEP elements of the sum.
+struct Floats {
+  using Elem = float;
+  static constexpr int STEP = 1;
+  static Elem from(float x) { return x; }
+  static Elem from(bf16 x) { return widen(x); }
+  static vf load_b(const float* p) { return load(p); }
+  static vf splat_a(const float* p) { return splat(*p); }
+  static vf fma(vf acc, vf a, vf b) { return acc + a * b; }
+  static void store_p(float* p, vf e) { store(p, e); }
+};
+
+#if defined(__AVX512BF16__)
+// bf16 inputs on a CPU with bf16 dot products (AVX512-BF16): one instruction multiplies pairs
+// of bf16 and adds both products to a float32 lane, so the products read their operands as
+// pairs along the sum's index. Scores are float32 sums of exact bf16 products; the
+// probabilities are rounded to bf16 for P V, as torch's bf16 attention rounds them.
+static_assert(W == 16, "bf16 pairs fill 512-bit registers");
+struct Bf16Pairs {
+  using Elem = uint16_t;
+  static constexpr int STEP = 2;
+  static Elem from(bf16 x) { return x.bits; }
+  static __m512bh load_b(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
+  static __m512bh splat_a(const uint16_t* p) {
+    uint32_t both;
+    std::memcpy(&both, p, sizeof both);
+    return (__m512bh)_mm512_set1_epi32(static_cast<int>(both));
+  }
+  static vf fma(vf acc, __m512bh a, __m512bh b) {
+    return (vf)_mm512_dpbf16_ps((__m512)acc, a, b);
+  }
+  static void store_p(uint16_t* p, vf e) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), (__m256i)_mm512_cvtneps_pbh((__m512)e));
+  }
+};
+#endif
+
+// Operands packed STEP-wise: element k of column j of a [depth][cols] matrix sits at
+// ((k / STEP) * cols + j) * STEP + k % STEP, so one load takes W columns' STEP elements.
+template <typename Mul>
+inline int64_t packed(int64_t k, int64_t j, int64_t cols) {
+  return ((k / Mul::STEP) * cols + j) * Mul::STEP + k % Mul::STEP;
+}
+
+// out[i][:C W] (+)= sum over k < depth of A[i][k] B[k][:C W], for rows i < rows <= R: each
+// A element broadcast against C vectors of B's row, R x C accumulators held in registers
+template <typename Mul, int R, int C>
+inline void tile_product(const typename Mul::Elem* A, int64_t lda, int rows, int depth,
+                         const typename Mul::Elem* B, int64_t cols, float* out, int64_t ldo,
+                         bool accumulate) {
   vf acc[R][C];
   for (int i = 0; i < R; ++i)
-    for (int c = 0; c < C; ++c) acc[i][c] = splat(0.f);
-  for (int dd = 0; dd < d; ++dd) {
-    vf b[C];
-    for (int c = 0; c < C; ++c) b[c] = load(KT + dd * KEYS + c * W);
+    for (int c = 0; c < C; ++c)
+      acc[i][c] = accumulate && i < rows ? load(out + i * ldo + c * W) : splat(0.f);
+  for (int k = 0; k < depth; k += Mul::STEP) {
+    decltype(Mul::load_b(B)) b[C];
+    for (int c = 0; c < C; ++c) b[c] = Mul::load_b(B + packed<Mul>(k, c * W, cols));
     for (int i = 0; i < R; ++i) {
       if (i < rows) {
-        vf a = splat(Q[i * d + dd]);
-        for (int c = 0; c < C; ++c) acc[i][c] += a * b[c];
+        const auto a = Mul::splat_a(A + i * lda + k);
+        for (int c = 0; c < C; ++c) acc[i][c] = Mul::fma(acc[i][c], a, b[c]);
       }
     }
   }
   for (int i = 0; i < rows; ++i)
-    for (int c = 0; c < C; ++c) store(S + i * KEYS + c * W, acc[i][c]);
+    for (int c = 0; c < C; ++c) store(out + i * ldo + c * W, acc[i][c]);
 }
 
-// the first `span` columns of S[M][KEYS] = Q[M][d] K^T
-void scores(const float* Q, int M, int d, const float* KT, int span, float* S) {
-  constexpr int R = SCORE_ROWS, C = SCORE_VECTORS;
-  for (int j = 0; j < span; j += C * W)
+// out[M][:width] (+)= A[M][depth] B[depth][:width], B packed with `cols` columns; width a
+// multiple of C W (depth of STEP: an odd tail pairs with zeros)
+template <typename Mul, int R, int C>
+void product(const typename Mul::Elem* A, int64_t lda, int M, int depth,
+             const typename Mul::Elem* B, int64_t cols, int width, float* out, int64_t ldo,
+             bool accumulate) {
+  for (int j = 0; j < width; j += C * W)
     for (int i = 0; i < M; i += R) {
-      if (M - i >= R) score_tile<R, C>(Q + i * d, R, d, KT + j, S + i * KEYS + j);
-      else score_tile<R, C>(Q + i * d, M - i, d, KT + j, S + i * KEYS + j);
+      const auto* b = B + j * Mul::STEP;
+      if (M - i >= R)  // full tiles: `rows` is a constant once inlined
+        tile_product<Mul, R, C>(A + i * lda, lda, R, depth, b, cols, out + i * ldo + j, ldo,
+                                accumulate);
+      else
+        tile_product<Mul, R, C>(A + i * lda, lda, M - i, depth, b, cols, out + i * ldo + j,
+                                ldo, accumulate);
     }
-}
-
-// O[rows][D] += P[rows][nk] V[nk][D] (V's rows `ldv` apart)
-template <int D, int R>
-inline void pv_tile(const float* P, int rows, int nk, const float* V, int64_t ldv, float* O) {
-  constexpr int C = D / W;
-  vf acc[R][C];
-  for (int i = 0; i < R; ++i)
-    for (int c = 0; c < C; ++c) acc[i][c] = i < rows ? load(O + i * D + c * W) : splat(0.f);
-  for (int j = 0; j < nk; ++j) {
-    vf b[C];
-    for (int c = 0; c < C; ++c) b[c] = load(V + j * ldv + c * W);
-    for (int i = 0; i < R; ++i) {
-      if (i < rows) {
-        vf a = splat(P[i * KEYS + j]);
-        for (int c = 0; c < C; ++c) acc[i][c] += a * b[c];
-      }
-    }
-  }
-  for (int i = 0; i < rows; ++i)
-    for (int c = 0; c < C; ++c) store(O + i * D + c * W, acc[i][c]);
-}
-
-template <int D>
-void accumulate(const float* P, int M, int nk, const float* V, int64_t ldv, float* O) {
-  constexpr int R = OUT_ROWS;
-  for (int i = 0; i < M; i += R) {
-    if (M - i >= R) pv_tile<D, R>(P + i * KEYS, R, nk, V, ldv, O + i * D);
-    else pv_tile<D, R>(P + i * KEYS, M - i, nk, V, ldv, O + i * D);
-  }
 }
 
 template <typename T>
@@ -163,36 +191,32 @@ struct Problem {
   float scale;
 };
 
-// K of every head transposed, one [d][KEYS] tile after another, zero past num_k; and bf16 V
-// widened, [hkv][num_k][d] (float32 V is read where it is)
-template <typename T, int D>
-void pack(const Problem<T>& p, int64_t tiles, float* kt, float* vt) {
-#pragma omp for collapse(2) nowait
-  for (int64_t h = 0; h < p.hkv; ++h)
-    for (int64_t tile = 0; tile < tiles; ++tile) {
-      float* dst = kt + (h * tiles + tile) * D * KEYS;
-      for (int j = 0; j < KEYS; ++j) {
-        const int64_t key = tile * KEYS + j;
-        const T* src = p.k + key * p.k_stride + h * D;
-        for (int dd = 0; dd < D; ++dd) dst[dd * KEYS + j] = key < p.num_k ? widen(src[dd]) : 0.f;
-      }
-    }
-  if (vt == nullptr) {
-#pragma omp barrier
-    return;
-  }
+// every head's K as [d][KEYS] tiles and V as [KEYS][d] tiles, packed; zero past num_k
+template <typename Mul, typename T, int D>
+void pack(const Problem<T>& p, int64_t tiles, typename Mul::Elem* kt,
+          typename Mul::Elem* vt) {
 #pragma omp for collapse(2)
   for (int64_t h = 0; h < p.hkv; ++h)
-    for (int64_t key = 0; key < p.num_k; ++key)
-      for (int dd = 0; dd < D; ++dd)
-        vt[(h * p.num_k + key) * D + dd] = widen(p.v[key * p.v_stride + h * D + dd]);
+    for (int64_t tile = 0; tile < tiles; ++tile) {
+      const int64_t offset = (h * tiles + tile) * D * KEYS;
+      for (int j = 0; j < KEYS; ++j) {
+        const int64_t key = tile * KEYS + j;
+        const T* k = p.k + key * p.k_stride + h * D;
+        const T* v = p.v + key * p.v_stride + h * D;
+        for (int dd = 0; dd < D; ++dd) {
+          const bool real = key < p.num_k;
+          kt[offset + packed<Mul>(dd, j, KEYS)] = real ? Mul::from(k[dd]) : typename Mul::Elem{};
+          vt[offset + packed<Mul>(j, dd, D)] = real ? Mul::from(v[dd]) : typename Mul::Elem{};
+        }
+      }
+    }
 }
 
-// scores of one tile (times `scale`) -> probabilities, in place, and rounded to bf16 into
-// P16 where given; rescales O and the running max/sum
-template <int D>
+// scores of one tile -> times `scale`, masked, probabilities into P (in place where P is S);
+// rescales O and the running max/sum
+template <typename Mul, int D>
 void softmax_tile(float* S, int M, int64_t group, int64_t first_visible, int64_t j0, int nk,
-                  float scale, float* O, float* m, float* l, uint16_t* P16) {
+                  float scale, float* O, float* m, float* l, typename Mul::Elem* P) {
   const int span = (nk + SCORE_VECTORS * W - 1) / (SCORE_VECTORS * W) * (SCORE_VECTORS * W);
   for (int r = 0; r < M; ++r) {
     float* s = S + r * KEYS;
@@ -213,240 +237,103 @@ void softmax_tile(float* S, int M, int64_t group, int64_t first_visible, int64_t
     vf sum = splat(0.f), shift = splat(mnew);
     for (int j = 0; j < span; j += W) {
       vf e = vexp(load(s + j) - shift);
-      store(s + j, e);
+      Mul::store_p(P + r * KEYS + j, e);
       sum += e;
-#if defined(__AVX512BF16__)
-      if (P16 != nullptr) _mm256_storeu_si256(reinterpret_cast<__m256i*>(P16 + r * KEYS + j),
-                                              (__m256i)_mm512_cvtneps_pbh((__m512)e));
-#endif
     }
     l[r] += hsum(sum);
   }
 }
 
+// per-thread buffers of one work unit
+template <typename Mul>
+struct Scratch {
+  float *S, *O, *m, *l;
+  typename Mul::Elem *Q, *P;
+
+  static int64_t floats(int64_t rows, int D) {  // Q and P in float-sized slots, rounded up
+    const int64_t packed = rows * (D + KEYS) * sizeof(typename Mul::Elem);
+    return rows * KEYS + rows * D + rows * 2 + (packed + 3) / 4;
+  }
+  Scratch(float* at, int64_t rows, int D)
+      : S(at), O(S + rows * KEYS), m(O + rows * D), l(m + rows),
+        Q(reinterpret_cast<typename Mul::Elem*>(l + rows)), P(Q + rows * D) {
+    if constexpr (std::is_same_v<typename Mul::Elem, float>) P = S;  // in place
+  }
+};
+
 // one KV head's queries of QUERY_TOKENS tokens from `t0`, through every key they see
-template <typename T, int D>
-void attend_unit(const Problem<T>& p, const float* kt_head, const float* v_head, int64_t ldv,
-                 int64_t h, int64_t t0, float* Q, float* S, float* O, float* m, float* l) {
+template <typename Mul, typename T, int D>
+void attend_unit(const Problem<T>& p, const typename Mul::Elem* kt_head,
+                 const typename Mul::Elem* vt_head, int64_t h, int64_t t0,
+                 const Scratch<Mul>& b) {
   const int64_t group = p.hq / p.hkv, tokens = std::min(QUERY_TOKENS, p.num_q - t0);
   const int M = static_cast<int>(tokens * group);  // rows token-major: token t, head g
   for (int64_t t = 0; t < tokens; ++t)
     for (int64_t g = 0; g < group; ++g) {
       const T* src = p.q + (t0 + t) * p.q_stride + (h * group + g) * D;
-      for (int dd = 0; dd < D; ++dd) Q[(t * group + g) * D + dd] = widen(src[dd]) * p.scale;
+      for (int dd = 0; dd < D; ++dd) {
+        if constexpr (Mul::STEP == 1)  // float queries take the scale: one multiply per query
+          b.Q[(t * group + g) * D + dd] = widen(src[dd]) * p.scale;
+        else  // bf16 pairs are multiplied as they are: the scores take it
+          b.Q[(t * group + g) * D + dd] = Mul::from(src[dd]);
+      }
     }
-  std::fill(O, O + M * D, 0.f);
-  std::fill(m, m + M, -INFINITY);
-  std::fill(l, l + M, 0.f);
+  std::fill(b.O, b.O + M * D, 0.f);
+  std::fill(b.m, b.m + M, -INFINITY);
+  std::fill(b.l, b.l + M, 0.f);
   const int64_t first_visible = p.num_k - p.num_q + t0;  // the last key token t0 sees
   const int64_t seen = first_visible + tokens;           // keys the last token sees
   for (int64_t j0 = 0; j0 < seen; j0 += KEYS) {
     const int nk = static_cast<int>(std::min<int64_t>(KEYS, seen - j0));
     const int span = (nk + SCORE_VECTORS * W - 1) / (SCORE_VECTORS * W) * (SCORE_VECTORS * W);
-    scores(Q, M, D, kt_head + (j0 / KEYS) * D * KEYS, span, S);
-    softmax_tile<D>(S, M, group, first_visible, j0, nk, 1.f, O, m, l, nullptr);
-    accumulate<D>(S, M, nk, v_head + j0 * ldv, ldv, O);
+    const int64_t tile = (j0 / KEYS) * D * KEYS;
+    product<Mul, SCORE_ROWS, SCORE_VECTORS>(b.Q, D, M, D, kt_head + tile, KEYS, span, b.S,
+                                            KEYS, false);
+    softmax_tile<Mul, D>(b.S, M, group, first_visible, j0, nk, Mul::STEP == 1 ? 1.f : p.scale,
+                         b.O, b.m, b.l, b.P);
+    product<Mul, OUT_ROWS, D / W>(b.P, KEYS, M, nk, vt_head + tile, D, D, b.O, D, true);
   }
   for (int64_t t = 0; t < tokens; ++t)
     for (int64_t g = 0; g < group; ++g) {
       const int r = static_cast<int>(t * group + g);
       T* dst = p.out + (t0 + t) * p.out_stride + (h * group + g) * D;
-      const float inv = 1.f / l[r];
-      for (int dd = 0; dd < D; ++dd) narrow(O[r * D + dd] * inv, dst + dd);
+      const float inv = 1.f / b.l[r];
+      for (int dd = 0; dd < D; ++dd) narrow(b.O[r * D + dd] * inv, dst + dd);
     }
 }
 
-template <typename T, int D>
+template <typename Mul, typename T, int D>
 void attend(const Problem<T>& p, int threads) {
-  constexpr bool widened_v = !std::is_same_v<T, float>;
   const int64_t tiles = (p.num_k + KEYS - 1) / KEYS;
   const int64_t blocks = (p.num_q + QUERY_TOKENS - 1) / QUERY_TOKENS, units = p.hkv * blocks;
-  const int64_t rows = QUERY_TOKENS * (p.hq / p.hkv);
-  const int64_t per_thread = rows * D * 2 + rows * KEYS + rows * 2;  // Q, O, S, max, sum
+  const int64_t rows = QUERY_TOKENS * (p.hq / p.hkv), per_thread = Scratch<Mul>::floats(rows, D);
   // every buffer before the parallel region: an exception cannot leave one
-  std::vector<float> kt(static_cast<size_t>(p.hkv * tiles * D * KEYS));
-  std::vector<float> vt(widened_v ? static_cast<size_t>(p.hkv * p.num_k * D) : 0);
+  std::vector<typename Mul::Elem> kt(static_cast<size_t>(p.hkv * tiles * D * KEYS));
+  std::vector<typename Mul::Elem> vt(kt.size());
   std::vector<float> scratch(static_cast<size_t>(threads * per_thread));
 #pragma omp parallel num_threads(threads)
   {
-    pack<T, D>(p, tiles, kt.data(), widened_v ? vt.data() : nullptr);  // ends in a barrier
-    float* Q = scratch.data() + omp_get_thread_num() * per_thread;
-    float *O = Q + rows * D, *S = O + rows * D, *m = S + rows * KEYS, *l = m + rows;
+    pack<Mul, T, D>(p, tiles, kt.data(), vt.data());  // ends in the loop's barrier
+    const Scratch<Mul> buffers(scratch.data() + omp_get_thread_num() * per_thread, rows, D);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t u = 0; u < units; ++u) {
       // later query blocks see more keys: the costliest start first
-      const int64_t h = u % p.hkv, block = blocks - 1 - u / p.hkv;
-      const float* v_head = widened_v ? vt.data() + h * p.num_k * D
-                                      : reinterpret_cast<const float*>(p.v) + h * D;
-      attend_unit<T, D>(p, kt.data() + h * tiles * D * KEYS, v_head, widened_v ? D : p.v_stride,
-                        h, block * QUERY_TOKENS, Q, S, O, m, l);
+      const int64_t h = u % p.hkv, block = blocks - 1 - u / p.hkv, head = h * tiles * D * KEYS;
+      attend_unit<Mul, T, D>(p, kt.data() + head, vt.data() + head, h, block * QUERY_TOKENS,
+                             buffers);
     }
   }
 }
-
-#if defined(__AVX512BF16__)
-// bf16 inputs on a CPU with bf16 dot products (AVX512-BF16): each instruction multiplies pairs
-// of bf16 and adds both products to a float32 lane, so the products read K, V and the rounded
-// probabilities as pairs along their sum's index: K as [d/2][KEYS][2] per tile, V as
-// [keys/2][d][2]. Scores are float32 sums of exact bf16 products; the probabilities are rounded
-// to bf16 for P V, as torch's bf16 attention rounds them.
-static_assert(W == 16, "the pairs below fill 512-bit registers");
-
-inline __m512bh pairs(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
-inline __m512bh pair_splat(const uint16_t* p) {
-  uint32_t both;
-  std::memcpy(&both, p, sizeof both);
-  return (__m512bh)_mm512_set1_epi32(static_cast<int>(both));
-}
-
-template <int R, int C>
-inline void score_tile_dot(const uint16_t* Q, int rows, int d, const uint16_t* KT, float* S) {
-  __m512 acc[R][C];
-  for (int i = 0; i < R; ++i)
-    for (int c = 0; c < C; ++c) acc[i][c] = _mm512_setzero_ps();
-  for (int dd = 0; dd < d; dd += 2) {
-    __m512bh b[C];
-    for (int c = 0; c < C; ++c) b[c] = pairs(KT + (dd / 2 * KEYS + c * W) * 2);
-    for (int i = 0; i < R; ++i) {
-      if (i < rows) {
-        const __m512bh a = pair_splat(Q + i * d + dd);
-        for (int c = 0; c < C; ++c) acc[i][c] = _mm512_dpbf16_ps(acc[i][c], a, b[c]);
-      }
-    }
-  }
-  for (int i = 0; i < rows; ++i)
-    for (int c = 0; c < C; ++c) _mm512_storeu_ps(S + i * KEYS + c * W, acc[i][c]);
-}
-
-void scores_dot(const uint16_t* Q, int M, int d, const uint16_t* KT, int span, float* S) {
-  constexpr int R = SCORE_ROWS, C = SCORE_VECTORS;
-  for (int j = 0; j < span; j += C * W)
-    for (int i = 0; i < M; i += R) {
-      const uint16_t* kt = KT + j * 2;  // column j of every pair row
-      if (M - i >= R) score_tile_dot<R, C>(Q + i * d, R, d, kt, S + i * KEYS + j);
-      else score_tile_dot<R, C>(Q + i * d, M - i, d, kt, S + i * KEYS + j);
-    }
-}
-
-template <int D, int R>
-inline void pv_tile_dot(const uint16_t* P, int rows, int nk, const uint16_t* VT, float* O) {
-  constexpr int C = D / W;
-  __m512 acc[R][C];
-  for (int i = 0; i < R; ++i)
-    for (int c = 0; c < C; ++c)
-      acc[i][c] = i < rows ? _mm512_loadu_ps(O + i * D + c * W) : _mm512_setzero_ps();
-  for (int j = 0; j < nk; j += 2) {  // an odd tail pairs with a zero probability
-    __m512bh b[C];
-    for (int c = 0; c < C; ++c) b[c] = pairs(VT + (j / 2 * D + c * W) * 2);
-    for (int i = 0; i < R; ++i) {
-      if (i < rows) {
-        const __m512bh a = pair_splat(P + i * KEYS + j);
-        for (int c = 0; c < C; ++c) acc[i][c] = _mm512_dpbf16_ps(acc[i][c], a, b[c]);
-      }
-    }
-  }
-  for (int i = 0; i < rows; ++i)
-    for (int c = 0; c < C; ++c) _mm512_storeu_ps(O + i * D + c * W, acc[i][c]);
-}
-
-template <int D>
-void accumulate_dot(const uint16_t* P, int M, int nk, const uint16_t* VT, float* O) {
-  constexpr int R = OUT_ROWS;
-  for (int i = 0; i < M; i += R) {
-    if (M - i >= R) pv_tile_dot<D, R>(P + i * KEYS, R, nk, VT, O + i * D);
-    else pv_tile_dot<D, R>(P + i * KEYS, M - i, nk, VT, O + i * D);
-  }
-}
-
-// K and V of every head as pairs, zero past num_k (to a whole tile)
-template <int D>
-void pack_pairs(const Problem<bf16>& p, int64_t tiles, uint16_t* kt, uint16_t* vt) {
-#pragma omp for collapse(2)
-  for (int64_t h = 0; h < p.hkv; ++h)
-    for (int64_t tile = 0; tile < tiles; ++tile) {
-      uint16_t* kdst = kt + (h * tiles + tile) * D * KEYS;
-      uint16_t* vdst = vt + (h * tiles + tile) * D * KEYS;
-      for (int j = 0; j < KEYS; ++j) {
-        const int64_t key = tile * KEYS + j;
-        const bool real = key < p.num_k;
-        const bf16* k = p.k + key * p.k_stride + h * D;
-        const bf16* v = p.v + key * p.v_stride + h * D;
-        for (int dd = 0; dd < D; ++dd) {
-          kdst[(dd / 2 * KEYS + j) * 2 + dd % 2] = real ? k[dd].bits : 0;
-          vdst[(j / 2 * D + dd) * 2 + j % 2] = real ? v[dd].bits : 0;
-        }
-      }
-    }
-}
-
-template <int D>
-void attend_unit_dot(const Problem<bf16>& p, const uint16_t* kt_head, const uint16_t* vt_head,
-                     int64_t h, int64_t t0, uint16_t* Q, float* S, uint16_t* P, float* O,
-                     float* m, float* l) {
-  const int64_t group = p.hq / p.hkv, tokens = std::min(QUERY_TOKENS, p.num_q - t0);
-  const int M = static_cast<int>(tokens * group);
-  for (int64_t t = 0; t < tokens; ++t)
-    for (int64_t g = 0; g < group; ++g) {
-      const bf16* src = p.q + (t0 + t) * p.q_stride + (h * group + g) * D;
-      for (int dd = 0; dd < D; ++dd) Q[(t * group + g) * D + dd] = src[dd].bits;
-    }
-  std::fill(O, O + M * D, 0.f);
-  std::fill(m, m + M, -INFINITY);
-  std::fill(l, l + M, 0.f);
-  const int64_t first_visible = p.num_k - p.num_q + t0, seen = first_visible + tokens;
-  for (int64_t j0 = 0; j0 < seen; j0 += KEYS) {
-    const int nk = static_cast<int>(std::min<int64_t>(KEYS, seen - j0));
-    const int span = (nk + SCORE_VECTORS * W - 1) / (SCORE_VECTORS * W) * (SCORE_VECTORS * W);
-    const int64_t tile = j0 / KEYS;
-    scores_dot(Q, M, D, kt_head + tile * D * KEYS, span, S);
-    softmax_tile<D>(S, M, group, first_visible, j0, nk, p.scale, O, m, l, P);
-    accumulate_dot<D>(P, M, nk, vt_head + tile * D * KEYS, O);
-  }
-  for (int64_t t = 0; t < tokens; ++t)
-    for (int64_t g = 0; g < group; ++g) {
-      const int r = static_cast<int>(t * group + g);
-      bf16* dst = p.out + (t0 + t) * p.out_stride + (h * group + g) * D;
-      const float inv = 1.f / l[r];
-      for (int dd = 0; dd < D; ++dd) narrow(O[r * D + dd] * inv, dst + dd);
-    }
-}
-
-template <int D>
-void attend_dot(const Problem<bf16>& p, int threads) {
-  const int64_t tiles = (p.num_k + KEYS - 1) / KEYS;
-  const int64_t blocks = (p.num_q + QUERY_TOKENS - 1) / QUERY_TOKENS, units = p.hkv * blocks;
-  const int64_t rows = QUERY_TOKENS * (p.hq / p.hkv);
-  // per thread, in float32 slots: S, O, max, sum, then Q and P in bf16 (two per slot)
-  const int64_t per_thread = rows * KEYS + rows * D + rows * 2 + (rows * D + rows * KEYS) / 2;
-  std::vector<uint16_t> kt(static_cast<size_t>(p.hkv * tiles * D * KEYS));
-  std::vector<uint16_t> vt(kt.size());
-  std::vector<float> scratch(static_cast<size_t>(threads * per_thread));
-#pragma omp parallel num_threads(threads)
-  {
-    pack_pairs<D>(p, tiles, kt.data(), vt.data());  // ends in the loop's barrier
-    float* S = scratch.data() + omp_get_thread_num() * per_thread;
-    float *O = S + rows * KEYS, *m = O + rows * D, *l = m + rows;
-    uint16_t* Q = reinterpret_cast<uint16_t*>(l + rows);
-    uint16_t* P = Q + rows * D;
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t u = 0; u < units; ++u) {
-      const int64_t h = u % p.hkv, block = blocks - 1 - u / p.hkv;
-      attend_unit_dot<D>(p, kt.data() + h * tiles * D * KEYS, vt.data() + h * tiles * D * KEYS,
-                         h, block * QUERY_TOKENS, Q, S, P, O, m, l);
-    }
-  }
-}
-#endif
 
 template <typename T, int D>
 void attend_on(const Problem<T>& p, int threads) {
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, bf16>) {
-    attend_dot<D>(p, threads);
+    attend<Bf16Pairs, T, D>(p, threads);
     return;
   }
 #endif
-  attend<T, D>(p, threads);
+  attend<Floats, T, D>(p, threads);
 }
 
 template <typename T>
