@@ -3,9 +3,9 @@
 torch's CPU flash kernel spends much of a prompt's attention outside its matrix products. This
 one keeps a tile of queries' scores, softmax and output in the core's caches, runs the query
 heads that share a KV head through each K/V tile together, and multiplies in register tiles of
-the machine's widest vectors: one SmolLM2 layer's 2048-token prompt took 28.1 ms against SDPA's
-39.6, and a 512-token one 2.3 against 4.8 (2 threads of the AVX512 EPYC in BENCHMARKS.md,
-`python -m bench.cpu_ops --dtypes float32`).
+the machine's widest vectors: one SmolLM2 layer's float32 2048-token prompt took 27.9 ms
+against SDPA's 40.7, and a 512-token one 2.4 against 4.2 (2 threads of the AVX512 EPYC,
+`.venv/bin/python -m bench.cpu_ops --repeats 5`, BENCHMARKS.md session 41).
 
 It is C++ compiled on first use with the machine's C++ compiler (the one inductor's CPU code
 needs too) for this CPU (-march=native), kept under the engine's cache folder by a hash of the
@@ -138,8 +138,7 @@ def _build(folder: Path, compiler: str) -> Path:
     if asked.returncode != 0:
         raise CompilerFailed(f"{compiler} --version failed: {asked.stderr.strip()[-300:]}")
     version = asked.stdout
-    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), version.encode(),
-                                     machine_key().encode(), " ".join(FLAGS).encode()]))
+    key = hashlib.sha256("\0".join([source_hash(), version, machine_key(), *FLAGS]).encode())
     path = folder / f"fused_attention-{key.hexdigest()[:16]}.so"
     if path.exists():
         return path

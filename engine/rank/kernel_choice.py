@@ -110,8 +110,9 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> to
 def attention_kernels(dtype: torch.dtype) -> dict[str, Callable]:
     """(q [Tq, hq, d], k/v [Tk, hkv, d], scale) -> [Tq, hq, d]: a prompt's causal attention.
     "sdpa" (the built-in for float32), "blocked" (bf16's where oneDNN multiplies bf16) and,
-    where it builds, "fused" (engine.rank.fused_attention: in float32 2.0x SDPA at 512 tokens
-    and 1.4x at 2048 for SmolLM2's heads on the AVX512 EPYC, `python -m bench.cpu_ops`)."""
+    where it builds, "fused" (engine.rank.fused_attention: for SmolLM2's heads on the AVX512
+    EPYC, 1.7x SDPA at 512 float32 tokens and 1.5x at 2048, 1.9x and 1.5x the blocked attention
+    in bf16: `.venv/bin/python -m bench.cpu_ops --repeats 5`, BENCHMARKS.md session 41)."""
     kernels = {"sdpa": _sdpa, "blocked": blocked_causal_attention}
     if dtype in fused_attention.DTYPES and fused_attention.available():
         kernels["fused"] = fused_attention.causal_attention
@@ -228,8 +229,8 @@ class KernelChoice:
 
     def prompt_kernel(self, q_len: int, dtype: torch.dtype) -> Callable | None:
         """The attention of a prompt (or prompt chunk) of q_len > 1 tokens: the picked kernel
-        (blocked, fused), or None for SDPA (engine.rank.attention). A chunk after a cached prefix takes the choice timed
-        for a whole prompt of its length."""
+        (blocked, fused), or None for SDPA (engine.rank.attention). A chunk after a cached
+        prefix takes the choice timed for a whole prompt of its length."""
         kernel = self._attention.get((dtype, min(row_bucket(q_len), self._top_bucket)))
         if kernel is None:
             return fixed_prompt_kernel(q_len, dtype)
