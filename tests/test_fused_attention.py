@@ -200,3 +200,165 @@ def test_an_engine_where_it_wins_runs_it_and_keeps_the_tokens(tiny_model_dir, mo
     assert picked == [(40, 40)] * layers + [(11, 43)] * layers
     assert calls == []  # the built-in choice never runs it
     assert tokens["measure"] == tokens["fixed"]
+
+
+# ---- a decode step over the paged cache (fused_attention.paged_decode) ----
+
+def _paged(rows: int, heads: int, kv_heads: int, d: int, block: int, lengths: list[int],
+           dtype: torch.dtype, seed: int):
+    """A one-layer-of-two cache ([k|v, layer, block, slot, hkv, d]) of random values, each row's
+    blocks out of order (no block shared: every row stores its own new token), the new token's
+    slot at its context's end; q, k, v as views of one QKV buffer (strided rows)."""
+    gen = torch.Generator().manual_seed(seed)
+    width = max(-(-n // block) for n in lengths)
+    num_blocks = rows * width + 3
+    cache = torch.randn(2, 2, num_blocks, block, kv_heads, d, generator=gen).to(dtype)
+    order = torch.randperm(num_blocks, generator=gen)[:rows * width].view(rows, width)
+    table = order.to(torch.int32)
+    slots = torch.tensor([int(table[r, (n - 1) // block]) * block + (n - 1) % block
+                          for r, n in enumerate(lengths)], dtype=torch.int32)
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * d, generator=gen).to(dtype)
+    q = qkv[:, :heads * d].view(rows, heads, d)
+    k = qkv[:, heads * d:(heads + kv_heads) * d].view(rows, kv_heads, d)
+    v = qkv[:, (heads + kv_heads) * d:].view(rows, kv_heads, d)
+    return q, k, v, cache, slots, table, torch.tensor(lengths, dtype=torch.int32)
+
+
+def _paged_reference(q, k, v, cache, slots, table, lengths, layer, scale):
+    """The cache with k, v written at their slots (plain indexing), and each row's query over
+    its context read block by block, in float64."""
+    want = cache.clone()
+    block = cache.shape[3]
+    for r, slot in enumerate(slots.tolist()):
+        want[0, layer, slot // block, slot % block] = k[r]
+        want[1, layer, slot // block, slot % block] = v[r]
+    out = []
+    for r, n in enumerate(lengths.tolist()):
+        keys = torch.cat([want[0, layer, b] for b in table[r].tolist()])[:n]
+        values = torch.cat([want[1, layer, b] for b in table[r].tolist()])[:n]
+        out.append(causal_attention_float64(q[r:r + 1], keys, values, scale)[0])
+    return want, torch.stack(out)
+
+
+@pytest.mark.parametrize("lengths,block", [([1], 16), ([16], 16), ([300], 16), ([600, 1, 257], 16),
+                                           ([37, 5], 5), ([513], 7)])
+@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4), (8, 1)])
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", fa.DTYPES)
+def test_paged_decode_stores_then_matches_float64(lengths, block, heads, kv_heads, threads,
+                                                  dtype):
+    """Contexts of one token, one whole block, many blocks, several spans of the kernel's
+    work split (256 keys), rows of different lengths, block sizes that are not powers of two:
+    the cache afterwards is the old one with exactly the new K/V written, and each output is
+    the float64 attention over its row's blocks."""
+    q, k, v, cache, slots, table, lens = _paged(len(lengths), heads, kv_heads, 32, block,
+                                                lengths, dtype, seed=sum(lengths) + heads)
+    want_cache, want = _paged_reference(q, k, v, cache, slots, table, lens, 1, 0.3)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out = fa.paged_decode(q, k, v, cache, 1, slots, table, lens, 0.3)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(cache, want_cache)
+    assert out.shape == q.shape and out.dtype == dtype and out.is_contiguous()
+    torch.testing.assert_close(out.double(), want, atol=TOLERANCE[dtype], rtol=0)
+
+
+@pytest.mark.parametrize("d", fa.HEAD_DIMS)
+@pytest.mark.parametrize("dtype", fa.DTYPES)
+def test_paged_decode_every_head_size(d, dtype):
+    q, k, v, cache, slots, table, lens = _paged(2, 4, 2, d, 8, [45, 20], dtype, seed=d)
+    want_cache, want = _paged_reference(q, k, v, cache, slots, table, lens, 0, d ** -0.5)
+    out = fa.paged_decode(q, k, v, cache, 0, slots, table, lens, d ** -0.5)
+    assert torch.equal(cache, want_cache)
+    torch.testing.assert_close(out.double(), want, atol=TOLERANCE[dtype], rtol=0)
+
+
+@pytest.mark.parametrize("damage", ["slot past the cache", "negative slot", "block id past the cache",
+                                    "empty context", "context past the table"])
+def test_paged_decode_refuses_indexes_outside_the_cache_and_writes_nothing(damage):
+    q, k, v, cache, slots, table, lens = _paged(2, 4, 2, 16, 4, [9, 6], torch.float32, seed=5)
+    slots, table, lens = slots.clone(), table.clone(), lens.clone()
+    if damage == "slot past the cache":
+        slots[1] = cache.shape[2] * cache.shape[3]
+    elif damage == "negative slot":
+        slots[0] = -1
+    elif damage == "block id past the cache":
+        table[0, 1] = cache.shape[2]
+    elif damage == "empty context":
+        lens[1] = 0
+    else:
+        lens[0] = table.shape[1] * 4 + 1
+    before = cache.clone()
+    with pytest.raises(IndexError, match="outside the KV cache"):
+        fa.paged_decode(q, k, v, cache, 0, slots, table, lens, 0.25)
+    assert torch.equal(cache, before)
+    # and the next call with good indexes works
+    _, _, _, _, good_slots, good_table, good_lens = _paged(2, 4, 2, 16, 4, [9, 6],
+                                                           torch.float32, seed=5)
+    want_cache, want = _paged_reference(q, k, v, cache, good_slots, good_table, good_lens, 0, 0.25)
+    out = fa.paged_decode(q, k, v, cache, 0, good_slots, good_table, good_lens, 0.25)
+    assert torch.equal(cache, want_cache)
+    torch.testing.assert_close(out.double(), want, atol=2e-6, rtol=0)
+
+
+def test_paged_decode_refuses_mixed_dtypes():
+    q, k, v, cache, slots, table, lens = _paged(1, 4, 2, 16, 4, [9], torch.float32, seed=6)
+    with pytest.raises(TypeError, match="one dtype"):
+        fa.paged_decode(q.bfloat16(), k, v, cache, 0, slots, table, lens, 0.25)
+    with pytest.raises(TypeError, match="contiguous CPU cache"):
+        fa.paged_decode(q, k, v, cache.transpose(2, 3), 0, slots, table, lens, 0.25)
+
+
+@pytest.mark.parametrize("kv_head_of_q,takes", [([0, 0, 0, 1, 1, 1], True), ([0, 1, 2], True),
+                                                ([0, 0, 0], True), ([0, 1, 0, 1], False),
+                                                ([0, 0, 1], False), ([], False)])
+def test_it_takes_whole_groups_of_consecutive_query_heads(kv_head_of_q, takes):
+    assert fa.takes_paged_decode(torch.float32, 64, kv_head_of_q) == takes
+    assert not fa.takes_paged_decode(torch.float16, 64, [0, 1])
+    assert not fa.takes_paged_decode(torch.float32, 24, [0, 1])
+
+
+def test_a_decode_graph_where_it_wins_runs_it_and_keeps_the_tokens(tiny_model_dir, monkeypatch,
+                                                                    tmp_path):
+    """compile=True with the fused kernel made to win the decode graph's timing: every layer of
+    every decode step stores and attends through it, the greedy tokens are those of the graph's
+    own tensor math, and the decode graphs an engine that did not pick it kept on disk do not
+    run in its place."""
+    import json
+
+    from engine import LLM, SamplingParams
+
+    monkeypatch.setenv("PREFILL_ENGINE_CACHE", str(tmp_path))
+    monkeypatch.setattr(kc, "_time_decode_in_graph", lambda heads, block, context, dtype: (
+        {"tensor-math": 3e-3, "fused": 1e-3}))
+    library, calls = fa._kernels(), []
+
+    class Counted:
+        fused_causal_attention = library.fused_causal_attention
+
+        def fused_paged_decode(self, *args):
+            calls.append(args[14])  # the rows
+            return library.fused_paged_decode(*args)
+
+    monkeypatch.setattr(fa, "_kernels", Counted)
+    path = tiny_model_dir("llama")
+    layers = json.loads((path / "config.json").read_text())["num_hidden_layers"]
+    prompts = [[(7 * i) % 200 + 3 for i in range(40)], [(5 * i) % 150 + 9 for i in range(23)]]
+    params = SamplingParams(max_tokens=5, ignore_eos=True)
+    tokens = {}
+    for choice in ("fixed", "measure"):  # the built-in's graphs are kept first
+        with LLM(str(path), kernel_choice=choice, compile=True, block_size=16,
+                 enable_prefix_caching=False) as llm:
+            calls.clear()
+            tokens[choice] = [list(o.token_ids) for o in llm.generate(prompts, params)]
+            if choice == "fixed":
+                assert calls == []
+            else:
+                [info] = llm.rank_info()
+    assert any(line.startswith("graph-decode-attention") and ": fused (" in line
+               for line in info.kernels)
+    # two sequences decode together: 4 steps of 2 rows, each through every layer
+    assert calls == [2] * (4 * layers)
+    assert tokens["measure"] == tokens["fixed"]

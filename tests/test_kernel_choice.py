@@ -440,6 +440,72 @@ def test_a_failed_compile_while_timing_keeps_the_built_in(cache, monkeypatch, ca
     assert "timing compiled products failed on this setup (RuntimeError: no C++ compiler)" in caplog.text
 
 
+def test_the_decode_graphs_attention_is_timed_compiled_and_kept(cache):
+    """compile=True: one decode row's store and attention, through the graph's tensor math and
+    through the fused kernel, each compiled and timed (both write the cache and agree, or the
+    timing would be of wrong code); the pick is kept on disk and read back; dtypes and head
+    layouts the kernel does not take are not timed."""
+    heads, mapping = (6, 2, 16), [0, 0, 0, 1, 1, 1]
+    choice = kc.KernelChoice(torch.float32)
+    choice.choose_graph_decode_attention(heads, mapping, block_size=8, max_context=100)
+    [pick] = choice.picks
+    assert (pick.op, pick.shape, pick.rows) == ("graph-decode-attention", heads, 100)
+    assert set(pick.seconds) == {"tensor-math", "fused"} and min(pick.seconds.values()) > 0
+    assert choice.graph_decode_fused == (pick.kernel == "fused")
+    again = kc.KernelChoice(torch.float32)
+    again.choose_graph_decode_attention(heads, mapping, block_size=8, max_context=5000)
+    assert again.picks[0].rows == kc.GRAPH_DECODE_CONTEXT and not again.picks[0].from_disk
+    again.choose_graph_decode_attention(heads, mapping, block_size=8, max_context=100)
+    assert again.picks[1].from_disk and again.picks[1].seconds == pick.seconds
+    for dtype, head_map in ((torch.float16, mapping), (torch.float32, [0, 1, 0, 1, 0, 1])):
+        other = kc.KernelChoice(dtype)
+        other.choose_graph_decode_attention(heads, head_map, block_size=8, max_context=100)
+        assert other.picks == [] and not other.graph_decode_fused
+
+
+def test_both_decode_graph_attentions_agree_as_timed():
+    """What the timing runs: each candidate's compiled store and attention of one row gives
+    the same answer, the float64 formula's, and writes the same new K/V."""
+    from engine.rank.padded_decode import PaddedDecode, padded_context
+    from tests.reference import causal_attention_float64
+
+    gen = torch.Generator().manual_seed(4)
+    outs, caches = {}, {}
+    for fused in (False, True):
+        cache = KVCache(1, 3, 4, 2, 16, torch.float32, torch.device("cpu"))
+        cache.data.copy_(torch.randn(cache.data.shape, generator=torch.Generator().manual_seed(1)))
+        ints = lambda x: torch.tensor(x, dtype=torch.int32)  # noqa: E731
+        # position 9, the 10th of blocks 2, 0, 1: block 1, slot 1, i.e. cache slot 1 * 4 + 1
+        meta = PaddedDecode(ints([5]), ints([[2, 0, 1]]), ints([10]), torch.tensor([0, 0, 1, 1]))
+        q, k, v = (torch.randn(1, h, 16, generator=torch.Generator().manual_seed(h + 7))
+                   for h in (4, 2, 2))
+        ctx = padded_context(ints([0]), ints([9]), meta, cache, False, fused=fused)
+
+        def layer(ctx=ctx, q=q, k=k, v=v):
+            ctx.ops.store(ctx, 0, k, v)
+            return ctx.ops.attend(ctx, 0, q, k, v, 0.25)
+        outs[fused] = torch.compile(layer, dynamic=False, fullgraph=True)()
+        caches[fused] = cache.data.clone()
+    assert torch.equal(caches[False], caches[True])
+    keys = torch.cat([caches[True][0, 0, b] for b in (2, 0, 1)])[:10]
+    values = torch.cat([caches[True][1, 0, b] for b in (2, 0, 1)])[:10]
+    want = causal_attention_float64(q, keys, values, 0.25)
+    for out in outs.values():
+        torch.testing.assert_close(out.double(), want, atol=2e-6, rtol=0)
+
+
+def test_a_failed_compile_while_timing_the_decode_attention_keeps_its_tensor_math(
+        cache, monkeypatch, caplog):
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("no C++ compiler")
+
+    monkeypatch.setattr(torch, "compile", no_compiler)
+    choice = kc.KernelChoice(torch.float32)
+    choice.choose_graph_decode_attention((4, 2, 16), [0, 0, 1, 1], 8, 100)
+    assert choice.picks == [] and not choice.graph_decode_fused
+    assert "timing the decode graph's attention failed on this setup" in caplog.text
+
+
 @pytest.mark.parametrize("call_torch", [False, True])
 def test_a_compiled_one_row_product_follows_the_pick(call_torch):
     gen = torch.Generator().manual_seed(3)

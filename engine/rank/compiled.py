@@ -96,12 +96,15 @@ class CompiledModel:
     """A rank's two kinds of graph, and which steps take which."""
 
     def __init__(self, model: nn.Module, decode_model: nn.Module | None = None,
-                 keep_key: str | None = None):
+                 keep_key: str | None = None, fused_decode: bool = False):
         """`decode_model`: the view whose projections read decode_dtype copies (decode_weights),
         which the decode graph runs when a step asks for it. `keep_key`: what the graphs depend
         on besides their code and tensor inputs (engine.rank.kept_graphs), to keep them on disk
-        under; None: compiled by every start (a GPU rank)."""
+        under (it must name `fused_decode`); None: compiled by every start (a GPU rank).
+        `fused_decode`: decode graphs store and attend through the fused CPU kernel
+        (engine.rank.padded_decode)."""
         self.model, self.decode_model = model, decode_model or model
+        self.fused_decode = fused_decode
         keep_compiled_code()
         if all(p.device.type == "cpu" for p in model.parameters()):  # CPU code uses the ISAs
             trust_probed_vector_isas()
@@ -194,7 +197,8 @@ class CompiledModel:
             ctx = self.cuda_graphs.load(batch, rows)
             if ctx is not None:
                 return ctx
-        return pad_decode_step(batch, cache, kv_head_of_q, rows, decode_weights)
+        return pad_decode_step(batch, cache, kv_head_of_q, rows, decode_weights,
+                               self.fused_decode)
 
     def decode_logits(self, ctx: StepContext) -> torch.Tensor:
         """This rank's logits slice of every row of a decode context: replayed where it is a

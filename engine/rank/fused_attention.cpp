@@ -1,4 +1,8 @@
-// Causal attention of a prompt (or a prompt chunk after cached keys) on a CPU, fused: scores,
+// Attention on a CPU, fused. A prompt's (or a prompt chunk's after cached keys) causal
+// attention (fused_causal_attention), and a decode step's over the paged KV cache
+// (fused_paged_decode, below).
+//
+// The prompt's: scores,
 // online softmax and the product with V for a tile of queries stay in the core's caches, and
 // the query heads that share a KV head go through each K/V tile together. float32 or bfloat16
 // inputs and output, float32 sums either way: bf16 products run as pair dot products where the
@@ -52,6 +56,17 @@ inline void narrow(float x, bf16* out) {
   out->bits = std::isnan(x) ? 0x7FC0 : static_cast<uint16_t>((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
 }
 inline vf load(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
+// W values widened to float32
+inline vf load_widened(const float* p) { return load(p); }
+inline vf load_widened(const bf16* p) {
+  typedef uint16_t vh __attribute__((vector_size(W * 2)));
+  vh halves;
+  std::memcpy(&halves, p, sizeof halves);
+  const vi bits = __builtin_convertvector(halves, vi) << 16;
+  vf v;
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
+}
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 
 inline float hmax(vf x) {
@@ -336,17 +351,187 @@ void attend_on(const Problem<T>& p, int threads) {
   attend<Floats, T, D>(p, threads);
 }
 
-template <typename T>
-int attend_any(const Problem<T>& p, int64_t head_dim, int threads) {
+// run(std::integral_constant<int, D>) for the head sizes built (HEAD_DIMS in the .py): 0, or 1
+// for any other size
+template <typename Run>
+int with_head_dim(int64_t head_dim, Run&& run) {
   switch (head_dim) {
-    case 16: attend_on<T, 16>(p, threads); return 0;
-    case 32: attend_on<T, 32>(p, threads); return 0;
-    case 64: attend_on<T, 64>(p, threads); return 0;
-    case 96: attend_on<T, 96>(p, threads); return 0;
-    case 128: attend_on<T, 128>(p, threads); return 0;
-    case 256: attend_on<T, 256>(p, threads); return 0;
+    case 16: run(std::integral_constant<int, 16>{}); return 0;
+    case 32: run(std::integral_constant<int, 32>{}); return 0;
+    case 64: run(std::integral_constant<int, 64>{}); return 0;
+    case 96: run(std::integral_constant<int, 96>{}); return 0;
+    case 128: run(std::integral_constant<int, 128>{}); return 0;
+    case 256: run(std::integral_constant<int, 256>{}); return 0;
     default: return 1;
   }
+}
+
+template <typename T>
+int attend_any(const Problem<T>& p, int64_t head_dim, int threads) {
+  return with_head_dim(head_dim, [&](auto d) { attend_on<T, decltype(d)::value>(p, threads); });
+}
+
+// ---- A decode step: each row's one query over its context in the paged cache ----
+//
+// The cache of one layer holds K (and, apart, V) as [blocks][block_size][hkv][d]; a row's
+// context is the first `len` tokens of its blocks, in its block table's order. The step's new
+// K/V go into their slots first (the query sees its own token). Work units are a row's keys in
+// spans of DECODE_KEYS for one KV head's query heads, so even one row with few KV heads keeps
+// every thread busy; each unit leaves its span's max, sum and unnormalized output, and a second
+// pass merges a row's spans (as the online softmax would).
+constexpr int64_t DECODE_KEYS = 256;
+
+template <typename T>
+struct DecodeProblem {
+  const T *q, *k_new, *v_new;
+  T *k_cache, *v_cache, *out;
+  int64_t q_stride, k_new_stride, v_new_stride;  // rows; heads contiguous within a row
+  int64_t block_stride, token_stride;             // the caches'; heads contiguous
+  const int32_t *slots, *table, *lens;            // [rows], [rows][width], [rows]
+  int64_t rows, width, block_size, num_blocks, hq, hkv;
+  float scale;
+};
+
+// a row's spans, and the floats a unit leaves per query head (output, max, sum)
+inline int64_t spans(int64_t len) { return (len + DECODE_KEYS - 1) / DECODE_KEYS; }
+template <int D> constexpr int64_t PART = D + 2;
+
+// whether every slot, block and length the step names lies inside the cache
+template <typename T>
+bool in_bounds(const DecodeProblem<T>& p) {
+  const int64_t slots = p.num_blocks * p.block_size;
+  for (int64_t r = 0; r < p.rows; ++r) {
+    if (p.slots[r] < 0 || p.slots[r] >= slots || p.lens[r] < 1 ||
+        p.lens[r] > p.width * p.block_size)
+      return false;
+    for (int64_t b = 0; b < (p.lens[r] + p.block_size - 1) / p.block_size; ++b)
+      if (p.table[r * p.width + b] < 0 || p.table[r * p.width + b] >= p.num_blocks) return false;
+  }
+  return true;
+}
+
+template <typename T>
+void store_new_tokens(const DecodeProblem<T>& p, int64_t head_elems) {
+  for (int64_t r = 0; r < p.rows; ++r) {
+    const int64_t at = (p.slots[r] / p.block_size) * p.block_stride +
+                       (p.slots[r] % p.block_size) * p.token_stride;
+    std::memcpy(p.k_cache + at, p.k_new + r * p.k_new_stride, head_elems * sizeof(T));
+    std::memcpy(p.v_cache + at, p.v_new + r * p.v_new_stride, head_elems * sizeof(T));
+  }
+}
+
+// visit(i, token) for the keys j0 + i < j1 of `row`: each one's K or V (of `cache`) at KV head h
+template <int D, typename T, typename Visit>
+inline void for_each_key(const DecodeProblem<T>& p, const T* cache, int64_t row, int64_t h,
+                         int64_t j0, int64_t j1, Visit&& visit) {
+  const int32_t* blocks = p.table + row * p.width;
+  int64_t b = j0 / p.block_size, slot = j0 % p.block_size;
+  for (int64_t j = j0; j < j1; ++j) {
+    visit(j - j0, cache + blocks[b] * p.block_stride + slot * p.token_stride + h * D);
+    if (++slot == p.block_size) slot = 0, ++b;
+  }
+}
+
+// keys [j0, j1) of `row` for the query heads of KV head h; `scores` holds group x DECODE_KEYS
+template <typename T, int D>
+void decode_span(const DecodeProblem<T>& p, int64_t row, int64_t h, int64_t j0, int64_t j1,
+                 float* scores, float* queries, float* part) {
+  const int64_t group = p.hq / p.hkv, n = j1 - j0;
+  for (int64_t g = 0; g < group; ++g)
+    for (int c = 0; c < D; c += W)
+      store(queries + g * D + c,
+            load_widened(p.q + row * p.q_stride + (h * group + g) * D + c) * p.scale);
+  for_each_key<D>(p, p.k_cache, row, h, j0, j1, [&](int64_t i, const T* key) {
+    vf k[D / W];
+    for (int c = 0; c < D / W; ++c) k[c] = load_widened(key + c * W);
+    for (int64_t g = 0; g < group; ++g) {
+      vf acc = splat(0.f);
+      for (int c = 0; c < D / W; ++c) acc += load(queries + g * D + c * W) * k[c];
+      scores[g * DECODE_KEYS + i] = hsum(acc);
+    }
+  });
+  const int64_t span = (n + W - 1) / W * W;
+  for (int64_t g = 0; g < group; ++g) {
+    float* s = scores + g * DECODE_KEYS;
+    for (int64_t j = n; j < span; ++j) s[j] = -INFINITY;
+    vf mx = splat(-INFINITY);
+    for (int64_t j = 0; j < span; j += W) { vf x = load(s + j); mx = x > mx ? x : mx; }
+    const float m = hmax(mx);
+    vf sum = splat(0.f);
+    for (int64_t j = 0; j < span; j += W) {
+      vf e = vexp(load(s + j) - m);
+      store(s + j, e);
+      sum += e;
+    }
+    part[g * PART<D> + D] = m;
+    part[g * PART<D> + D + 1] = hsum(sum);
+  }
+  for (int64_t g = 0; g < group; ++g) {  // a head's sum in registers; V rereads hit the cache
+    vf acc[D / W];
+    for (int c = 0; c < D / W; ++c) acc[c] = splat(0.f);
+    const float* weights = scores + g * DECODE_KEYS;
+    for_each_key<D>(p, p.v_cache, row, h, j0, j1, [&](int64_t i, const T* value) {
+      const vf weight = splat(weights[i]);
+      for (int c = 0; c < D / W; ++c) acc[c] += weight * load_widened(value + c * W);
+    });
+    for (int c = 0; c < D / W; ++c) store(part + g * PART<D> + c * W, acc[c]);
+  }
+}
+
+// query head qh of `row`: its spans' outputs, each weighted by e^(its max - the row's max)
+template <typename T, int D>
+void merge_spans(const DecodeProblem<T>& p, int64_t row, int64_t qh, int64_t max_spans,
+                 const float* parts) {
+  const int64_t group = p.hq / p.hkv, h = qh / group, g = qh % group;
+  const float* first = parts + ((row * p.hkv + h) * max_spans) * group * PART<D> + g * PART<D>;
+  const int64_t n = spans(p.lens[row]), stride = group * PART<D>;
+  float m = -INFINITY, l = 0.f;
+  for (int64_t c = 0; c < n; ++c) m = std::max(m, first[c * stride + D]);
+  vf acc[D / W];
+  for (int c = 0; c < D / W; ++c) acc[c] = splat(0.f);
+  for (int64_t c = 0; c < n; ++c) {
+    const float* part = first + c * stride;
+    const float weight = std::exp(part[D] - m);
+    l += weight * part[D + 1];
+    for (int k = 0; k < D / W; ++k) acc[k] += load(part + k * W) * weight;
+  }
+  T* dst = p.out + (row * p.hq + qh) * D;
+  for (int k = 0; k < D / W; ++k)
+    for (int w = 0; w < W; ++w) narrow(acc[k][w] / l, dst + k * W + w);
+}
+
+template <typename T, int D>
+void paged_decode(const DecodeProblem<T>& p, int threads) {
+  int64_t max_spans = 0;
+  for (int64_t r = 0; r < p.rows; ++r) max_spans = std::max(max_spans, spans(p.lens[r]));
+  const int64_t group = p.hq / p.hkv, units = p.rows * p.hkv * max_spans;
+  const int64_t per_thread = group * (DECODE_KEYS + D);
+  std::vector<float> parts(static_cast<size_t>(units * group * PART<D>));
+  std::vector<float> scratch(static_cast<size_t>(threads * per_thread));
+  store_new_tokens(p, p.hkv * D);
+#pragma omp parallel num_threads(threads)
+  {
+    float* scores = scratch.data() + omp_get_thread_num() * per_thread;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t u = 0; u < units; ++u) {
+      const int64_t row = u / (p.hkv * max_spans), h = u / max_spans % p.hkv;
+      const int64_t j0 = u % max_spans * DECODE_KEYS, j1 = std::min<int64_t>(j0 + DECODE_KEYS, p.lens[row]);
+      if (j0 < j1)
+        decode_span<T, D>(p, row, h, j0, j1, scores, scores + group * DECODE_KEYS,
+                          parts.data() + u * group * PART<D>);
+    }
+#pragma omp for
+    for (int64_t u = 0; u < p.rows * p.hq; ++u)
+      merge_spans<T, D>(p, u / p.hq, u % p.hq, max_spans, parts.data());
+  }
+}
+
+
+template <typename T>
+int paged_decode_any(const DecodeProblem<T>& p, int64_t head_dim, int threads) {
+  if (!in_bounds(p)) return 3;
+  return with_head_dim(head_dim,
+                       [&](auto d) { paged_decode<T, decltype(d)::value>(p, threads); });
 }
 
 }  // namespace
@@ -369,6 +554,38 @@ extern "C" int fused_causal_attention(
                            static_cast<const float*>(v), static_cast<float*>(out), q_stride,
                            k_stride, v_stride, out_stride, num_q, num_k, hq, hkv, scale};
     return attend_any(p, head_dim, threads);
+  } catch (const std::bad_alloc&) {
+    return 2;
+  }
+}
+
+// The step's new K/V [rows][hkv][d] into their slots of one layer's K and V caches, then each
+// row's query [hq][d] over its context: out [rows][hq][d], contiguous. Returns 0: done; 1: a
+// head size with no kernel; 2: out of memory; 3: a slot, block or length outside the cache
+// (nothing written).
+extern "C" int fused_paged_decode(
+    const void* q, int64_t q_stride, const void* k_new, int64_t k_new_stride, const void* v_new,
+    int64_t v_new_stride, void* k_cache, void* v_cache, int64_t block_stride,
+    int64_t token_stride, const int32_t* slots, const int32_t* table, const int32_t* lens,
+    void* out, int64_t rows, int64_t width, int64_t block_size, int64_t num_blocks, int64_t hq,
+    int64_t hkv, int64_t head_dim, float scale, int bfloat16, int threads) {
+  try {
+    if (bfloat16) {
+      const DecodeProblem<bf16> p{
+          static_cast<const bf16*>(q), static_cast<const bf16*>(k_new),
+          static_cast<const bf16*>(v_new), static_cast<bf16*>(k_cache),
+          static_cast<bf16*>(v_cache), static_cast<bf16*>(out), q_stride, k_new_stride,
+          v_new_stride, block_stride, token_stride, slots, table, lens, rows, width,
+          block_size, num_blocks, hq, hkv, scale};
+      return paged_decode_any(p, head_dim, threads);
+    }
+    const DecodeProblem<float> p{
+        static_cast<const float*>(q), static_cast<const float*>(k_new),
+        static_cast<const float*>(v_new), static_cast<float*>(k_cache),
+        static_cast<float*>(v_cache), static_cast<float*>(out), q_stride, k_new_stride,
+        v_new_stride, block_stride, token_stride, slots, table, lens, rows, width, block_size,
+        num_blocks, hq, hkv, scale};
+    return paged_decode_any(p, head_dim, threads);
   } catch (const std::bad_alloc&) {
     return 2;
   }

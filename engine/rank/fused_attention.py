@@ -1,4 +1,5 @@
-"""A prompt's causal attention as one fused CPU kernel (fused_attention.cpp), float32 or bf16.
+"""Attention as fused CPU kernels (fused_attention.cpp), float32 or bf16: a prompt's causal
+attention, and a decode step's over the paged KV cache.
 
 torch's CPU flash kernel spends much of a prompt's attention outside its matrix products. This
 one keeps a tile of queries' scores, softmax and output in the core's caches, runs the query
@@ -6,6 +7,11 @@ heads that share a KV head through each K/V tile together, and multiplies in reg
 the machine's widest vectors: one SmolLM2 layer's float32 2048-token prompt took 27.9 ms
 against SDPA's 40.7, and a 512-token one 2.4 against 4.2 (2 threads of the AVX512 EPYC,
 `.venv/bin/python -m bench.cpu_ops --repeats 5`, BENCHMARKS.md session 41).
+
+A decode step's (`paged_decode`) stores the step's new K/V and reads each row's context through
+its block table in one call, with spans of one row's keys spread over the threads; the compiled
+decode graph calls it as one op per layer (engine.rank.padded_decode) where it timed faster
+than the graph's own fused tensor math (engine.rank.kernel_choice).
 
 It is C++ compiled on first use with the machine's C++ compiler (the one inductor's CPU code
 needs too) for this CPU (-march=native), kept under the engine's cache folder by a hash of the
@@ -35,12 +41,12 @@ SOURCE = Path(__file__).with_suffix(".cpp")
 HEAD_DIMS = (16, 32, 64, 96, 128, 256)  # the head sizes the kernel is built for
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 _lock = threading.Lock()
-_library: list = []  # [the loaded function, or None where the build failed]: built once
+_library: list = []  # [the loaded library, or None where the build failed]: built once
 
 
 def available() -> bool:
-    """Whether the kernel is built (building it now if need be) and loads on this machine."""
-    return _kernel() is not None
+    """Whether the kernels are built (building them now if need be) and load on this machine."""
+    return _kernels() is not None
 
 
 # bf16: float32 sums of bf16 products (AVX512-BF16 pair dot products, or widened copies)
@@ -61,21 +67,70 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """q: [Tq, hq, d], the last Tq positions of a context whose keys/values are k, v [Tk, hkv, d]
     (query head h reads KV head h // (hq / hkv)). Returns [Tq, hq, d]. Inputs the kernel does
     not take (engine.rank.fused_attention.supports), or a machine without it: SDPA."""
-    kernel = _kernel()
-    if kernel is None or not supports(q, k, v):
+    kernels = _kernels()
+    if kernels is None or not supports(q, k, v):
         return sdpa_attention(q, k, v, scale, shared_kv=k.shape[1] != q.shape[1])
     q, k, v = (_heads_contiguous(t) for t in (q, k, v))
     out = torch.empty(q.shape, dtype=q.dtype)
-    status = kernel(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(),
+    status = kernels.fused_causal_attention(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(),
                     v.stride(0), out.data_ptr(), out.stride(0), len(q), len(k), q.shape[1],
                     k.shape[1], q.shape[2], scale, q.dtype == torch.bfloat16,
                     torch.get_num_threads())
-    if status == 2:
-        raise MemoryError(f"fused attention: no memory for the buffers of {len(q)} queries over "
-                          f"{len(k)} keys")
-    if status != 0:
-        raise RuntimeError(f"fused attention has no kernel for head size {q.shape[2]}")
+    _check(status, f"causal attention of {len(q)} queries over {len(k)} keys")
     return out
+
+
+def takes_paged_decode(dtype: torch.dtype, head_dim: int, kv_head_of_q: list[int]) -> bool:
+    """Whether `paged_decode` runs a CPU decode step of this dtype and head size where query
+    head h reads KV head kv_head_of_q[h]: it reads whole groups of consecutive query heads per
+    KV head."""
+    group = len(kv_head_of_q) // max(1, len(set(kv_head_of_q)))
+    return (dtype in DTYPES and head_dim in HEAD_DIMS and len(kv_head_of_q) > 0
+            and list(kv_head_of_q) == [h // group for h in range(len(kv_head_of_q))])
+
+
+def paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch.Tensor,
+                 layer: int, slot_mapping: torch.Tensor, block_table: torch.Tensor,
+                 context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """A decode step of one layer: the new k, v [rows, hkv, d] into their slots
+    (`slot_mapping` [rows]) of `layer` in `cache` ([k|v, layer, block, slot, hkv, d]), then
+    each row's query q [rows, hq, d] over the first context_lens[row] tokens of its blocks
+    (`block_table` [rows, width]). Returns [rows, hq, d]. Only where `takes_paged_decode`
+    and `available()`; an index outside the cache raises IndexError, nothing written."""
+    kernels = _kernels()
+    if kernels is None:
+        raise RuntimeError("the fused CPU attention is not built on this machine")
+    if not (q.dtype is k.dtype is v.dtype is cache.dtype and cache.is_contiguous()
+            and q.device.type == "cpu"):
+        raise TypeError(f"fused paged decode: q, k, v and a contiguous CPU cache of one dtype, "
+                        f"got {q.dtype}/{k.dtype}/{v.dtype} and {cache.dtype} on {q.device}")
+    # a decode step runs this once per layer: every Python call here costs ~1 % of it
+    q, k, v = _heads_contiguous(q), _heads_contiguous(k), _heads_contiguous(v)
+    slots, table, lens = (t if t.dtype is torch.int32 and t.is_contiguous()
+                          else t.to(torch.int32).contiguous()
+                          for t in (slot_mapping, block_table, context_lens))
+    out = q.new_empty(q.shape)
+    _, _, num_blocks, block_size, hkv, head_dim = cache.shape
+    token = hkv * head_dim  # the cache is contiguous (supports_paged_decode)
+    layer_k = cache.data_ptr() + layer * cache.stride(1) * cache.element_size()
+    layer_v = layer_k + cache.stride(0) * cache.element_size()
+    status = kernels.fused_paged_decode(
+        q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+        layer_k, layer_v, block_size * token, token, slots.data_ptr(), table.data_ptr(),
+        lens.data_ptr(), out.data_ptr(), len(q), table.shape[1], block_size, num_blocks,
+        q.shape[1], hkv, head_dim, scale, q.dtype == torch.bfloat16, torch.get_num_threads())
+    _check(status, f"paged decode attention of {len(q)} rows")
+    return out
+
+
+def _check(status: int, what: str) -> None:
+    if status == 1:
+        raise RuntimeError(f"{what}: the fused attention has no kernel for this head size")
+    if status == 2:
+        raise MemoryError(f"{what}: no memory for the fused attention's buffers")
+    if status == 3:
+        raise IndexError(f"{what}: a slot, block id or context length lies outside the KV "
+                         f"cache (nothing was written)")
 
 
 def source_hash() -> str:
@@ -94,7 +149,7 @@ class CompilerFailed(RuntimeError):
     """The compiler could not build the kernel (wherever it is put)."""
 
 
-def _kernel():
+def _kernels() -> ctypes.CDLL | None:
     with _lock:
         if not _library:
             _library.append(_load())
@@ -102,7 +157,7 @@ def _kernel():
 
 
 def _load():
-    """The kernel from the cache folder, or, where that fails (a folder that cannot be written,
+    """The kernels from the cache folder, or, where that fails (a folder that cannot be written,
     a kept library that does not load), built afresh in a private temporary folder."""
     from engine.rank.kernel_choice import cache_dir  # which imports this module
 
@@ -114,17 +169,20 @@ def _load():
     error = None
     for folder in (lambda: cache_dir() / "kernels", lambda: Path(tempfile.mkdtemp())):
         try:
-            function = ctypes.CDLL(str(_build(folder(), compiler))).fused_causal_attention
+            library = ctypes.CDLL(str(_build(folder(), compiler)))
         except (OSError, subprocess.SubprocessError, RuntimeError) as e:
             error = e
             if isinstance(e, CompilerFailed):
                 break  # it would fail the same way in another folder
             continue
-        i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        function.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, i64, i64, i64, i64, i64, i64,
-                             ctypes.c_float, ctypes.c_int, ctypes.c_int]
-        function.restype = ctypes.c_int
-        return function
+        i64, ptr, flt, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
+        library.fused_causal_attention.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, i64, i64,
+                                                   i64, i64, i64, i64, flt, cint, cint]
+        library.fused_paged_decode.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, ptr, i64, i64,
+                                               ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64,
+                                               i64, flt, cint, cint]
+        library.fused_causal_attention.restype = library.fused_paged_decode.restype = cint
+        return library
     log.warning("the fused CPU attention is unavailable here (%s); prompts keep SDPA", error)
     return None
 

@@ -37,6 +37,9 @@ from engine.rank.attention import (fixed_prompt_kernel, float32_decode_attention
                                    sdpa_attention, torch_attention)
 from engine.rank.backend import Backend
 from engine.rank.blocked_attention import blocked_causal_attention
+from engine.rank.kv_cache import KVCache
+from engine.rank.padded_decode import PaddedDecode, padded_context
+from engine.rank.step_context import StepContext
 from parallel.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
 
 log = logging.getLogger("engine")
@@ -51,6 +54,9 @@ LM_HEAD_ROWS = 64  # above this many logits rows (scoring a prompt) the LM head 
 MAX_TIMED_ROWS = 2048
 # the longest context a decode step's attention is timed at; longer ones take its pick
 MAX_TIMED_CONTEXT = 8192
+# the context the decode graph's attention is timed at (one choice serves every length: the
+# fused kernel timed 2-5x the graph's tensor math from 320 to 4096 keys on the AVX512 EPYC)
+GRAPH_DECODE_CONTEXT = 1024
 # another kernel replaces the built-in one only when at least this much faster: timings on a
 # shared machine jitter by more than the gaps between close candidates
 MARGIN = 1.10
@@ -211,6 +217,9 @@ class KernelChoice:
     # compile=True: a graph's products of at most gemm.MATVEC_ROWS fixed rows call torch's
     # matmul instead of the multiply-and-sum, when timed faster in a graph
     graph_rows_call_torch: bool = False
+    # compile=True: the decode graph stores and attends through the fused CPU kernel, when
+    # timed faster than its own tensor math (engine.rank.padded_decode)
+    graph_decode_fused: bool = False
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -300,6 +309,32 @@ class KernelChoice:
         store.save()
         self.picks.append(pick)
         self.graph_rows_call_torch = pick.kernel == "torch"
+
+    def choose_graph_decode_attention(self, heads: tuple[int, int, int], kv_head_of_q: list[int],
+                                      block_size: int, max_context: int) -> None:
+        """compile=True on a CPU: time one decode row's KV store and attention of one layer, as
+        the decode graph runs them (engine.rank.padded_decode), each compiled: the graph's own
+        tensor math over the block table (the built-in) and one call to the fused kernel
+        (engine.rank.fused_attention.paged_decode); graphs compiled afterwards take the pick.
+        Timed at GRAPH_DECODE_CONTEXT keys (fewer where the model's context is shorter)."""
+        if not (fused_attention.takes_paged_decode(self.dtype, heads[2], kv_head_of_q)
+                and fused_attention.available()):
+            return
+        context = max(1, min(GRAPH_DECODE_CONTEXT, max_context))
+        store = TimingStore.open()
+        candidates = dict.fromkeys(("tensor-math", "fused"))
+        try:
+            pick = store.get_or_time(
+                Pick("graph-decode-attention", heads, context, "tensor-math"), self.dtype,
+                candidates, lambda: _time_decode_in_graph(heads, block_size, context, self.dtype),
+                f"fused {fused_attention.source_hash()}")
+        except Exception as e:  # noqa: BLE001  as a failed compile (engine.rank.warmup)
+            log.warning("timing the decode graph's attention failed on this setup (%s: %s); "
+                        "its tensor math stays", type(e).__name__, e)
+            return
+        store.save()
+        self.picks.append(pick)
+        self.graph_decode_fused = pick.kernel == "fused"
 
     def choose_graph_steps(self, steps: dict[str, tuple[int, Callable[[bool], object]]],
                            model_shape: tuple[int, ...], setup: str,
@@ -397,6 +432,31 @@ def _time_in_graph(kernels: dict[str, Callable], weights: list[torch.Tensor]) ->
     graphs = {name: torch.compile(lambda k=k: [k(xs[w.shape[1]], w, None) for w in copies],
                                   dynamic=False, fullgraph=True)
               for name, k in kernels.items()}
+    return fastest(graphs)
+
+
+def _time_decode_in_graph(heads: tuple[int, int, int], block_size: int, context: int,
+                          dtype: torch.dtype) -> dict[str, float]:
+    """Seconds for one decode row's store and attention over `context` keys of a one-layer
+    cache, through each of the decode graph's ops (engine.rank.padded_decode), compiled."""
+    keep_compiled_code()
+    num_q, num_kv, head_dim = heads
+    width = max(2, -(-context // block_size))
+    cache = KVCache(1, width, block_size, num_kv, head_dim, dtype, torch.device("cpu"))
+    cache.data.normal_()
+    ints = partial(torch.tensor, dtype=torch.int32)
+    meta = PaddedDecode(ints([context - 1]), ints([list(range(width))]), ints([context]),
+                        torch.tensor([h // (num_q // num_kv) for h in range(num_q)]))
+    q = torch.randn(1, num_q, head_dim, dtype=dtype)
+    k, v = (torch.randn(1, num_kv, head_dim, dtype=dtype) for _ in range(2))
+    step = partial(padded_context, ints([0]), ints([context - 1]), meta, cache, False)
+
+    def layer(ctx: StepContext) -> torch.Tensor:
+        ctx.ops.store(ctx, 0, k, v)
+        return ctx.ops.attend(ctx, 0, q, k, v, head_dim ** -0.5)
+    graphs = {name: torch.compile(partial(layer, step(fused=name == "fused")), dynamic=False,
+                                  fullgraph=True)
+              for name in ("tensor-math", "fused")}
     return fastest(graphs)
 
 

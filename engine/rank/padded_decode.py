@@ -9,7 +9,9 @@ dynamic width covers every length); columns past a row's context are masked out.
 
 Reading K/V through the block table inside the graph lets inductor fold the gather into the
 attention's loops: no per-layer copy of the context and no opaque op call per layer. Measured
-on the AVX512 EPYC, SmolLM2, 257-token context: see BENCHMARKS.md (issue 12).
+on the AVX512 EPYC, SmolLM2, 257-token context: see BENCHMARKS.md (issue 12). Where the fused
+CPU kernel timed faster (engine.rank.kernel_choice), one opaque call per layer does the store
+and the attention instead (`FUSED_DECODE_OPS`).
 """
 from __future__ import annotations
 
@@ -58,24 +60,40 @@ class PaddedDecodeOps:
         return padded_decode_attention(q, *ctx.cache.layer(layer), ctx.meta, scale)
 
 
-PADDED_DECODE_OPS = PaddedDecodeOps()
+class FusedDecodeOps:
+    """The decode graph's `ops` on a CPU where the fused kernel won: one opaque op per layer
+    stores the new K/V and attends (engine.rank.fused_attention.paged_decode)."""
+
+    def store(self, ctx: StepContext, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        return None  # the attention's op stores them
+
+    def attend(self, ctx: StepContext, layer: int, q: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor, scale: float) -> torch.Tensor:
+        meta = ctx.meta
+        return graph_ops.fused_paged_decode(q, k, v, ctx.cache.data, layer, meta.slot_mapping,
+                                            meta.block_table, meta.context_lens, scale)
+
+
+PADDED_DECODE_OPS, FUSED_DECODE_OPS = PaddedDecodeOps(), FusedDecodeOps()
 
 
 def padded_context(ids: torch.Tensor, positions: torch.Tensor, meta: PaddedDecode,
-                   cache: KVCache, decode_weights: bool) -> StepContext:
-    """The StepContext of a decode graph of `len(ids)` rows."""
-    return StepContext(DECODE, ids, positions, None, cache, meta, PADDED_DECODE_OPS,
+                   cache: KVCache, decode_weights: bool, fused: bool = False) -> StepContext:
+    """The StepContext of a decode graph of `len(ids)` rows; `fused`: its store and attention
+    through the fused CPU kernel."""
+    return StepContext(DECODE, ids, positions, None, cache, meta,
+                       FUSED_DECODE_OPS if fused else PADDED_DECODE_OPS,
                        graph=f"decode-{len(ids)}", decode_weights=decode_weights)
 
 
 def pad_decode_step(batch: Batch, cache: KVCache, kv_head_of_q: torch.Tensor, rows: int,
-                    decode_weights: bool = False) -> StepContext:
+                    decode_weights: bool = False, fused: bool = False) -> StepContext:
     """A decode step's context, its rows padded to `rows`."""
     width = max(2, -(-max(batch.context_lens) // cache.block_size))
     # one host->device copy for the whole step (pinned and non-blocking on CUDA)
     t = pack_to_device(padded_lists(batch, rows, width), kv_head_of_q.device)
     meta = PaddedDecode(t["slots"], t["table"].view(rows, width), t["lens"], kv_head_of_q)
-    return padded_context(t["ids"], t["positions"], meta, cache, decode_weights)
+    return padded_context(t["ids"], t["positions"], meta, cache, decode_weights, fused)
 
 
 def padded_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -91,7 +91,7 @@ class Worker:
         self._tracer: OpTracer | None = None
         # graphs read decode_dtype copies, never packed ones (oneDNN's opaque layout)
         self.compiled = (CompiledModel(self.model, self.decode_model if plan.decode_dtype else None,
-                                       self._graph_key())
+                                       self._graph_key(), self.kernels.graph_decode_fused)
                          if plan.compile else None)
         self.warmup_s = self._warm_up()
 
@@ -104,6 +104,10 @@ class Worker:
                              max_context=self.plan.max_model_len)
         if self.plan.compile:
             self.kernels.choose_graph_rows(projection_weights(self.model))
+            if self.plan.cp == 1:  # context parallel attends through its own ops
+                self.kernels.choose_graph_decode_attention(
+                    (heads.num_q_heads, heads.num_kv_heads, self.plan.model.head_dim),
+                    heads.kv_head_of_q_head(), self.plan.block_size, self.plan.max_model_len)
         return time.perf_counter() - started
 
     def _graph_key(self) -> str | None:
@@ -116,7 +120,8 @@ class Worker:
         return (f"{machine_key()}|{plan.model!r}|{self.shard!r} cp={plan.cp}|dtype={plan.dtype} "
                 f"decode_dtype={plan.decode_dtype} weights={plan.weights} backend={plan.backend} "
                 f"block={plan.block_size} max_len={plan.max_model_len} "
-                f"overlap={plan.overlap_comm} graph_rows_torch={self.kernels.graph_rows_call_torch}")
+                f"overlap={plan.overlap_comm} graph_rows_torch={self.kernels.graph_rows_call_torch} "
+                f"fused_decode={self.kernels.graph_decode_fused}")
 
     def _decode_view(self) -> tuple[torch.nn.Module | None, int]:
         """The model view decode steps run (engine.rank.decode_weights): decode_dtype copies,
