@@ -113,7 +113,7 @@ def test_heads_that_are_not_side_by_side_are_copied_not_misread():
 
 def test_a_machine_without_a_compiler_keeps_sdpa(monkeypatch, tmp_path, caplog):
     """No compiler: one warning, no "fused" candidate, and the function still answers (SDPA)."""
-    monkeypatch.setattr(fa, "_library", [])
+    monkeypatch.setattr(fa.LIBRARY, "_loaded", [])
     monkeypatch.setenv("PREFILL_ENGINE_CACHE", str(tmp_path))
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     assert not fa.available()
@@ -128,7 +128,7 @@ def test_a_machine_without_a_compiler_keeps_sdpa(monkeypatch, tmp_path, caplog):
 
 def test_a_compiler_that_fails_keeps_sdpa(monkeypatch, tmp_path, caplog):
     """A compiler that cannot build it (here `false`): one warning naming it, nothing left."""
-    monkeypatch.setattr(fa, "_library", [])
+    monkeypatch.setattr(fa.LIBRARY, "_loaded", [])
     monkeypatch.setenv("PREFILL_ENGINE_CACHE", str(tmp_path))
     monkeypatch.setenv("CXX", "false")
     assert not fa.available()
@@ -137,26 +137,26 @@ def test_a_compiler_that_fails_keeps_sdpa(monkeypatch, tmp_path, caplog):
 
 
 def test_a_build_is_kept_and_found_by_the_next_start(monkeypatch, tmp_path):
-    monkeypatch.setattr(fa, "_library", [])
+    monkeypatch.setattr(fa.LIBRARY, "_loaded", [])
     monkeypatch.setenv("PREFILL_ENGINE_CACHE", str(tmp_path))
     assert fa.available()
     [first] = (tmp_path / "kernels").iterdir()  # the library, no leftovers
     assert first.suffix == ".so"
     mtime = first.stat().st_mtime_ns
-    assert fa._build(tmp_path / "kernels", "g++") == first and first.stat().st_mtime_ns == mtime
+    assert fa.LIBRARY.build(tmp_path / "kernels", "g++") == first and first.stat().st_mtime_ns == mtime
 
 
 @pytest.mark.parametrize("damage", ["an unwritable cache", "a kept library that does not load"])
 def test_a_damaged_cache_builds_it_elsewhere(monkeypatch, tmp_path, damage):
     """The cache folder cannot take the library, or holds a broken one: the kernel is built in a
     private temporary folder instead, and works."""
-    monkeypatch.setattr(fa, "_library", [])
+    monkeypatch.setattr(fa.LIBRARY, "_loaded", [])
     if damage == "an unwritable cache":
         (tmp_path / "a_file").write_text("")
         monkeypatch.setenv("PREFILL_ENGINE_CACHE", str(tmp_path / "a_file" / "cache"))
     else:
         monkeypatch.setenv("PREFILL_ENGINE_CACHE", str(tmp_path))
-        kept = fa._build(tmp_path / "kernels", "g++")
+        kept = fa.LIBRARY.build(tmp_path / "kernels", "g++")
         kept.write_bytes(b"not a library")
     assert fa.available()
     q, k, v = _qkv(30, 30, 4, 2, 32, seed=12)

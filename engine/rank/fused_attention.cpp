@@ -2,11 +2,10 @@
 // attention (fused_causal_attention), and a decode step's over the paged KV cache
 // (fused_paged_decode, below).
 //
-// The prompt's: scores,
-// online softmax and the product with V for a tile of queries stay in the core's caches, and
-// the query heads that share a KV head go through each K/V tile together. float32 or bfloat16
-// inputs and output, float32 sums either way: bf16 products run as pair dot products where the
-// CPU has them (AVX512-BF16), else on widened copies.
+// The prompt's: scores, online softmax and the product with V for a tile of queries stay in the
+// core's caches, and the query heads that share a KV head go through each K/V tile together.
+// float32 or bfloat16 inputs and output, float32 sums either way: bf16 products run as pair dot
+// products where the CPU has them (AVX512-BF16), else on widened copies.
 // Built and loaded by engine/rank/fused_attention.py, for the CPU it runs on (-march=native).
 //
 // Queries are the last num_q positions of a context of num_k keys. q [num_q, hq, d],
@@ -20,17 +19,10 @@
 #include <vector>
 
 #include <omp.h>
-#if defined(__AVX512F__)
-#include <immintrin.h>
-constexpr int W = 16;  // floats per vector register
-#else
-constexpr int W = 8;
-#endif
+
+#include "cpu_vectors.h"
 
 namespace {
-
-typedef float vf __attribute__((vector_size(W * 4)));
-typedef int32_t vi __attribute__((vector_size(W * 4)));
 
 constexpr int64_t QUERY_TOKENS = 16;  // query tokens per work unit (times the group's heads)
 constexpr int KEYS = 128;             // keys per tile
@@ -38,56 +30,6 @@ constexpr int SCORE_ROWS = 8, SCORE_VECTORS = 2;  // register tile of the scores
 constexpr int OUT_ROWS = 6;                       // rows of the register tile of P V
 // the tile sizes above timed fastest of those tried for SmolLM2's heads on an AVX512 EPYC
 
-inline vf splat(float x) { return vf{} + x; }
-
-// bfloat16 is float32's upper half: widening appends zeros; narrowing rounds to nearest even
-struct bf16 { uint16_t bits; };
-inline float widen(float x) { return x; }
-inline float widen(bf16 x) {
-  const uint32_t bits = static_cast<uint32_t>(x.bits) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-inline void narrow(float x, float* out) { *out = x; }
-inline void narrow(float x, bf16* out) {
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof bits);
-  out->bits = std::isnan(x) ? 0x7FC0 : static_cast<uint16_t>((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
-}
-inline vf load(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
-// W values widened to float32
-inline vf load_widened(const float* p) { return load(p); }
-inline vf load_widened(const bf16* p) {
-  typedef uint16_t vh __attribute__((vector_size(W * 2)));
-  vh halves;
-  std::memcpy(&halves, p, sizeof halves);
-  const vi bits = __builtin_convertvector(halves, vi) << 16;
-  vf v;
-  std::memcpy(&v, &bits, sizeof v);
-  return v;
-}
-inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
-
-inline float hmax(vf x) {
-#if defined(__AVX512F__)
-  return _mm512_reduce_max_ps((__m512)x);
-#else
-  float m = x[0];
-  for (int w = 1; w < W; ++w) m = std::max(m, x[w]);
-  return m;
-#endif
-}
-
-inline float hsum(vf x) {
-#if defined(__AVX512F__)
-  return _mm512_reduce_add_ps((__m512)x);
-#else
-  float s = 0.f;
-  for (int w = 0; w < W; ++w) s += x[w];
-  return s;
-#endif
-}
 
 // e^x for x <= 0 (shifted scores), within ~2 ulp; 0 below -87 (and for -inf, a masked key).
 // x = n ln2 + r, |r| <= ln2/2: e^r by its Taylor polynomial, 2^n by building the exponent.
@@ -376,10 +318,11 @@ int attend_any(const Problem<T>& p, int64_t head_dim, int threads) {
 // The cache of one layer holds K (and, apart, V) as [blocks][block_size][hkv][d]; a row's
 // context is the first `len` tokens of its blocks, in its block table's order. The step's new
 // K/V go into their slots first (the query sees its own token). Work units are a row's keys in
-// spans of DECODE_KEYS for one KV head's query heads, so even one row with few KV heads keeps
-// every thread busy; each unit leaves its span's max, sum and unnormalized output, and a second
-// pass merges a row's spans (as the online softmax would).
-constexpr int64_t DECODE_KEYS = 256;
+// spans of DECODE_KEYS, every head, so one row keeps every thread busy and each unit reads whole
+// token rows (all KV heads: consecutive memory within a block); each unit leaves its span's
+// max, sum and unnormalized output per query head, and a second pass merges a row's spans (as
+// the online softmax would).
+constexpr int64_t DECODE_KEYS = 64;
 
 template <typename T>
 struct DecodeProblem {
@@ -420,39 +363,45 @@ void store_new_tokens(const DecodeProblem<T>& p, int64_t head_elems) {
   }
 }
 
-// visit(i, token) for the keys j0 + i < j1 of `row`: each one's K or V (of `cache`) at KV head h
-template <int D, typename T, typename Visit>
-inline void for_each_key(const DecodeProblem<T>& p, const T* cache, int64_t row, int64_t h,
-                         int64_t j0, int64_t j1, Visit&& visit) {
+// visit(i, token) for the keys j0 + i < j1 of `row`: each one's row of `cache`, every KV head
+template <typename T, typename Visit>
+inline void for_each_key(const DecodeProblem<T>& p, const T* cache, int64_t row, int64_t j0,
+                         int64_t j1, Visit&& visit) {
   const int32_t* blocks = p.table + row * p.width;
   int64_t b = j0 / p.block_size, slot = j0 % p.block_size;
   for (int64_t j = j0; j < j1; ++j) {
-    visit(j - j0, cache + blocks[b] * p.block_stride + slot * p.token_stride + h * D);
+    visit(j - j0, cache + blocks[b] * p.block_stride + slot * p.token_stride);
     if (++slot == p.block_size) slot = 0, ++b;
   }
 }
 
-// keys [j0, j1) of `row` for the query heads of KV head h; `scores` holds group x DECODE_KEYS
+// keys [j0, j1) of `row` for every query head: `scores` hq x DECODE_KEYS, `queries` hq x D,
+// `part` hq x PART
 template <typename T, int D>
-void decode_span(const DecodeProblem<T>& p, int64_t row, int64_t h, int64_t j0, int64_t j1,
-                 float* scores, float* queries, float* part) {
+void decode_span(const DecodeProblem<T>& p, int64_t row, int64_t j0, int64_t j1, float* scores,
+                 float* queries, float* part) {
   const int64_t group = p.hq / p.hkv, n = j1 - j0;
-  for (int64_t g = 0; g < group; ++g)
+  for (int64_t qh = 0; qh < p.hq; ++qh)
     for (int c = 0; c < D; c += W)
-      store(queries + g * D + c,
-            load_widened(p.q + row * p.q_stride + (h * group + g) * D + c) * p.scale);
-  for_each_key<D>(p, p.k_cache, row, h, j0, j1, [&](int64_t i, const T* key) {
-    vf k[D / W];
-    for (int c = 0; c < D / W; ++c) k[c] = load_widened(key + c * W);
-    for (int64_t g = 0; g < group; ++g) {
-      vf acc = splat(0.f);
-      for (int c = 0; c < D / W; ++c) acc += load(queries + g * D + c * W) * k[c];
-      scores[g * DECODE_KEYS + i] = hsum(acc);
+      store(queries + qh * D + c, load_widened(p.q + row * p.q_stride + qh * D + c) * p.scale);
+  for_each_key(p, p.k_cache, row, j0, j1, [&](int64_t i, const T* token) {
+    // the same token's V row, which the second pass reads: fetched while the scores are made
+    const char* value = reinterpret_cast<const char*>(p.v_cache + (token - p.k_cache));
+    for (size_t line = 0; line < p.hkv * D * sizeof(T); line += 64)
+      __builtin_prefetch(value + line);
+    for (int64_t h = 0; h < p.hkv; ++h) {
+      vf k[D / W];
+      for (int c = 0; c < D / W; ++c) k[c] = load_widened(token + h * D + c * W);
+      for (int64_t qh = h * group; qh < (h + 1) * group; ++qh) {
+        vf acc = splat(0.f);
+        for (int c = 0; c < D / W; ++c) acc += load(queries + qh * D + c * W) * k[c];
+        scores[qh * DECODE_KEYS + i] = hsum(acc);
+      }
     }
   });
   const int64_t span = (n + W - 1) / W * W;
-  for (int64_t g = 0; g < group; ++g) {
-    float* s = scores + g * DECODE_KEYS;
+  for (int64_t qh = 0; qh < p.hq; ++qh) {
+    float* s = scores + qh * DECODE_KEYS;
     for (int64_t j = n; j < span; ++j) s[j] = -INFINITY;
     vf mx = splat(-INFINITY);
     for (int64_t j = 0; j < span; j += W) { vf x = load(s + j); mx = x > mx ? x : mx; }
@@ -463,18 +412,19 @@ void decode_span(const DecodeProblem<T>& p, int64_t row, int64_t h, int64_t j0, 
       store(s + j, e);
       sum += e;
     }
-    part[g * PART<D> + D] = m;
-    part[g * PART<D> + D + 1] = hsum(sum);
+    part[qh * PART<D> + D] = m;
+    part[qh * PART<D> + D + 1] = hsum(sum);
   }
-  for (int64_t g = 0; g < group; ++g) {  // a head's sum in registers; V rereads hit the cache
+  for (int64_t qh = 0; qh < p.hq; ++qh) {  // a head's sum in registers; V rereads hit the cache
     vf acc[D / W];
     for (int c = 0; c < D / W; ++c) acc[c] = splat(0.f);
-    const float* weights = scores + g * DECODE_KEYS;
-    for_each_key<D>(p, p.v_cache, row, h, j0, j1, [&](int64_t i, const T* value) {
+    const float* weights = scores + qh * DECODE_KEYS;
+    const int64_t at = qh / group * D;
+    for_each_key(p, p.v_cache, row, j0, j1, [&](int64_t i, const T* token) {
       const vf weight = splat(weights[i]);
-      for (int c = 0; c < D / W; ++c) acc[c] += weight * load_widened(value + c * W);
+      for (int c = 0; c < D / W; ++c) acc[c] += weight * load_widened(token + at + c * W);
     });
-    for (int c = 0; c < D / W; ++c) store(part + g * PART<D> + c * W, acc[c]);
+    for (int c = 0; c < D / W; ++c) store(part + qh * PART<D> + c * W, acc[c]);
   }
 }
 
@@ -482,9 +432,8 @@ void decode_span(const DecodeProblem<T>& p, int64_t row, int64_t h, int64_t j0, 
 template <typename T, int D>
 void merge_spans(const DecodeProblem<T>& p, int64_t row, int64_t qh, int64_t max_spans,
                  const float* parts) {
-  const int64_t group = p.hq / p.hkv, h = qh / group, g = qh % group;
-  const float* first = parts + ((row * p.hkv + h) * max_spans) * group * PART<D> + g * PART<D>;
-  const int64_t n = spans(p.lens[row]), stride = group * PART<D>;
+  const float* first = parts + (row * max_spans * p.hq + qh) * PART<D>;
+  const int64_t n = spans(p.lens[row]), stride = p.hq * PART<D>;
   float m = -INFINITY, l = 0.f;
   for (int64_t c = 0; c < n; ++c) m = std::max(m, first[c * stride + D]);
   vf acc[D / W];
@@ -504,9 +453,8 @@ template <typename T, int D>
 void paged_decode(const DecodeProblem<T>& p, int threads) {
   int64_t max_spans = 0;
   for (int64_t r = 0; r < p.rows; ++r) max_spans = std::max(max_spans, spans(p.lens[r]));
-  const int64_t group = p.hq / p.hkv, units = p.rows * p.hkv * max_spans;
-  const int64_t per_thread = group * (DECODE_KEYS + D);
-  std::vector<float> parts(static_cast<size_t>(units * group * PART<D>));
+  const int64_t units = p.rows * max_spans, per_thread = p.hq * (DECODE_KEYS + D);
+  std::vector<float> parts(static_cast<size_t>(units * p.hq * PART<D>));
   std::vector<float> scratch(static_cast<size_t>(threads * per_thread));
   store_new_tokens(p, p.hkv * D);
 #pragma omp parallel num_threads(threads)
@@ -514,18 +462,17 @@ void paged_decode(const DecodeProblem<T>& p, int threads) {
     float* scores = scratch.data() + omp_get_thread_num() * per_thread;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t u = 0; u < units; ++u) {
-      const int64_t row = u / (p.hkv * max_spans), h = u / max_spans % p.hkv;
-      const int64_t j0 = u % max_spans * DECODE_KEYS, j1 = std::min<int64_t>(j0 + DECODE_KEYS, p.lens[row]);
+      const int64_t row = u / max_spans, j0 = u % max_spans * DECODE_KEYS;
+      const int64_t j1 = std::min<int64_t>(j0 + DECODE_KEYS, p.lens[row]);
       if (j0 < j1)
-        decode_span<T, D>(p, row, h, j0, j1, scores, scores + group * DECODE_KEYS,
-                          parts.data() + u * group * PART<D>);
+        decode_span<T, D>(p, row, j0, j1, scores, scores + p.hq * DECODE_KEYS,
+                          parts.data() + u * p.hq * PART<D>);
     }
 #pragma omp for
     for (int64_t u = 0; u < p.rows * p.hq; ++u)
       merge_spans<T, D>(p, u / p.hq, u % p.hq, max_spans, parts.data());
   }
 }
-
 
 template <typename T>
 int paged_decode_any(const DecodeProblem<T>& p, int64_t head_dim, int threads) {

@@ -13,35 +13,30 @@ its block table in one call, with spans of one row's keys spread over the thread
 decode graph calls it as one op per layer (engine.rank.padded_decode) where it timed faster
 than the graph's own fused tensor math (engine.rank.kernel_choice).
 
-It is C++ compiled on first use with the machine's C++ compiler (the one inductor's CPU code
-needs too) for this CPU (-march=native), kept under the engine's cache folder by a hash of the
-source, compiler and CPU, and loaded with ctypes; its OpenMP threads come from the library
-torch already loaded. Where no compiler or build works it is simply not a candidate
-(engine.rank.kernel_choice times it against SDPA, and a CPU where SDPA is faster keeps SDPA).
+It is C++ built on first use for this CPU (engine.rank.cpp_library). Where no compiler or build
+works it is simply not a candidate (engine.rank.kernel_choice times it against SDPA, and a CPU
+where SDPA is faster keeps SDPA).
 """
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
-import threading
 from pathlib import Path
 
 import torch
 
 from engine.rank.attention import sdpa_attention
+from engine.rank.cpp_library import CppLibrary
 
-log = logging.getLogger("engine")
-
-SOURCE = Path(__file__).with_suffix(".cpp")
 HEAD_DIMS = (16, 32, 64, 96, 128, 256)  # the head sizes the kernel is built for
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
-_lock = threading.Lock()
-_library: list = []  # [the loaded library, or None where the build failed]: built once
+_i64, _ptr, _float, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
+LIBRARY = CppLibrary(
+    Path(__file__).with_suffix(".cpp"), "fused CPU attention",
+    {"fused_causal_attention": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64,
+                                _i64, _i64, _i64, _float, _int, _int],
+     "fused_paged_decode": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _ptr,
+                            _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _i64, _float,
+                            _int, _int]},
+    "prompts keep SDPA and decode graphs their own attention")
 
 
 def available() -> bool:
@@ -134,8 +129,8 @@ def _check(status: int, what: str) -> None:
 
 
 def source_hash() -> str:
-    """The kernel's source, hashed: what its timings (engine.rank.kernel_choice) hold for."""
-    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
+    """The kernels' source, hashed: what their timings (engine.rank.kernel_choice) hold for."""
+    return LIBRARY.source_hash()
 
 
 def _heads_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -145,67 +140,5 @@ def _heads_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous()
 
 
-class CompilerFailed(RuntimeError):
-    """The compiler could not build the kernel (wherever it is put)."""
-
-
 def _kernels() -> ctypes.CDLL | None:
-    with _lock:
-        if not _library:
-            _library.append(_load())
-        return _library[0]
-
-
-def _load():
-    """The kernels from the cache folder, or, where that fails (a folder that cannot be written,
-    a kept library that does not load), built afresh in a private temporary folder."""
-    from engine.rank.kernel_choice import cache_dir  # which imports this module
-
-    compiler = shutil.which(os.environ.get("CXX", "g++"))
-    if compiler is None:
-        log.warning("the fused CPU attention is unavailable here (no C++ compiler: set CXX, or "
-                    "install g++); prompts keep SDPA")
-        return None
-    error = None
-    for folder in (lambda: cache_dir() / "kernels", lambda: Path(tempfile.mkdtemp())):
-        try:
-            library = ctypes.CDLL(str(_build(folder(), compiler)))
-        except (OSError, subprocess.SubprocessError, RuntimeError) as e:
-            error = e
-            if isinstance(e, CompilerFailed):
-                break  # it would fail the same way in another folder
-            continue
-        i64, ptr, flt, cint = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
-        library.fused_causal_attention.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, i64, i64,
-                                                   i64, i64, i64, i64, flt, cint, cint]
-        library.fused_paged_decode.argtypes = [ptr, i64, ptr, i64, ptr, i64, ptr, ptr, i64, i64,
-                                               ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64,
-                                               i64, flt, cint, cint]
-        library.fused_causal_attention.restype = library.fused_paged_decode.restype = cint
-        return library
-    log.warning("the fused CPU attention is unavailable here (%s); prompts keep SDPA", error)
-    return None
-
-
-def _build(folder: Path, compiler: str) -> Path:
-    """The library for this source, compiler and CPU in `folder`: built once, kept, found by
-    later starts."""
-    from engine.rank.kernel_choice import machine_key  # which imports this module
-
-    asked = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60)
-    if asked.returncode != 0:
-        raise CompilerFailed(f"{compiler} --version failed: {asked.stderr.strip()[-300:]}")
-    version = asked.stdout
-    key = hashlib.sha256("\0".join([source_hash(), version, machine_key(), *FLAGS]).encode())
-    path = folder / f"fused_attention-{key.hexdigest()[:16]}.so"
-    if path.exists():
-        return path
-    folder.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
-    done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(partial)],
-                          capture_output=True, text=True, timeout=300)
-    if done.returncode != 0:
-        partial.unlink(missing_ok=True)
-        raise CompilerFailed(f"{compiler} failed: {done.stderr.strip()[-500:]}")
-    os.replace(partial, path)  # another rank building at once replaces it with the same bytes
-    return path
+    return LIBRARY.get()

@@ -32,13 +32,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.rank import fused_attention, gemm
+from engine.rank import fused_attention, gemm, int8_rows
 from engine.rank.attention import (fixed_prompt_kernel, float32_decode_attention,
                                    sdpa_attention, torch_attention)
 from engine.rank.backend import Backend
 from engine.rank.blocked_attention import blocked_causal_attention
 from engine.rank.kv_cache import KVCache
 from engine.rank.padded_decode import PaddedDecode, padded_context
+from engine.rank.quantized import KERNEL_ROWS, QuantizedWeight
 from engine.rank.step_context import StepContext
 from parallel.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
 
@@ -220,9 +221,17 @@ class KernelChoice:
     # compile=True: the decode graph stores and attends through the fused CPU kernel, when
     # timed faster than its own tensor math (engine.rank.padded_decode)
     graph_decode_fused: bool = False
+    # shapes of int8 weights (weights=...) whose products of at most KERNEL_ROWS rows run the
+    # C++ kernel (engine.rank.int8_rows) instead of torch's, where timed faster
+    int8_rows_shapes: set[tuple[int, int]] = field(default_factory=set)
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor,
+    def linear(self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight,
                bias: torch.Tensor | None = None) -> torch.Tensor:
+        if isinstance(weight, QuantizedWeight):
+            if (weight.shape in self.int8_rows_shapes
+                    and x.numel() // x.shape[-1] <= KERNEL_ROWS):
+                return int8_rows.linear(x, weight, bias)
+            return gemm.linear(x, weight, bias)
         if (self.graph_rows_call_torch and torch.compiler.is_compiling()
                 and isinstance(weight, torch.Tensor) and weight.dtype == x.dtype
                 and gemm.few_fixed_rows(x)):
@@ -309,6 +318,24 @@ class KernelChoice:
         store.save()
         self.picks.append(pick)
         self.graph_rows_call_torch = pick.kernel == "torch"
+
+    def choose_int8_rows(self, weights: list[QuantizedWeight]) -> None:
+        """weights=...: time one row's product with each int8 weight shape (the LM head; every
+        projection with weights="int8") through torch's kernel and the C++ one, over streamed
+        copies; shapes where the C++ one wins take it for products of up to KERNEL_ROWS rows."""
+        int8 = [w for w in weights if w.kind == "int8" and int8_rows.takes(w)]
+        if not int8 or not int8_rows.available():
+            return
+        store = TimingStore.open()
+        candidates = {"torch": gemm.linear, "fused": int8_rows.linear}
+        for shape, weight in one_per_shape(int8).items():
+            pick = store.get_or_time(Pick("int8-rows", shape, 1, "torch"), self.dtype, candidates,
+                                     lambda: _time_linear(candidates, weight, 1),
+                                     f"int8 {int8_rows.LIBRARY.source_hash()}")
+            self.picks.append(pick)
+            if pick.kernel == "fused":
+                self.int8_rows_shapes.add(shape)
+        store.save()
 
     def choose_graph_decode_attention(self, heads: tuple[int, int, int], kv_head_of_q: list[int],
                                       block_size: int, max_context: int) -> None:

@@ -15,6 +15,7 @@ time; BENCHMARKS.md has what it measured.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -52,6 +53,17 @@ class QuantizedWeight:
     def nbytes(self) -> int:
         """What a product through the kernel reads (the tracer's bytes): codes and scales."""
         return self.codes.nbytes + self.scales.nbytes
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype of the activations it multiplies (and of its scales)."""
+        return self.scales.dtype
+
+    def clone(self) -> "QuantizedWeight":
+        """A copy in memory of its own (engine.rank.kernel_choice times streamed copies)."""
+        return dataclasses.replace(self, **{f.name: getattr(self, f.name).clone()
+                                            for f in dataclasses.fields(self)
+                                            if isinstance(getattr(self, f.name), torch.Tensor)})
 
     @property
     def stored_bytes(self) -> int:
@@ -150,6 +162,12 @@ def quantize_model(model: nn.Module, kind: str, ckpt=None) -> int:
         module.weight = quantized
         nbytes += quantized.stored_bytes
     return nbytes
+
+
+def quantized_weights(model: nn.Module) -> list[QuantizedWeight]:
+    """Every weight quantize_model put in place."""
+    return [m.weight for m in model.modules() if isinstance(getattr(m, "weight", None),
+                                                            QuantizedWeight)]
 
 
 def _projection(module: nn.Module, kind: str, ckpt) -> QuantizedWeight:

@@ -29,7 +29,7 @@ from engine.rank.kv_cache import KVCache
 from engine.rank.model import CausalLM
 from engine.rank.overlap import with_halves
 from engine.rank.prompt_logprobs import score_batch
-from engine.rank.quantized import quantize_model
+from engine.rank.quantized import quantize_model, quantized_weights
 from engine.rank.sampler import Sampler, sample_into
 from engine.rank.step_context import DECODE, StepContext, step_mode
 from engine.rank.step_metadata import build_step_metadata
@@ -102,6 +102,7 @@ class Worker:
                              self.plan.max_num_batched_tokens,
                              lm_head_shape=tuple(self.model.lm_head.weight.shape),
                              max_context=self.plan.max_model_len)
+        self.kernels.choose_int8_rows(quantized_weights(self.model))
         if self.plan.compile:
             self.kernels.choose_graph_rows(projection_weights(self.model))
             if self.plan.cp == 1:  # context parallel attends through its own ops
@@ -121,7 +122,8 @@ class Worker:
                 f"decode_dtype={plan.decode_dtype} weights={plan.weights} backend={plan.backend} "
                 f"block={plan.block_size} max_len={plan.max_model_len} "
                 f"overlap={plan.overlap_comm} graph_rows_torch={self.kernels.graph_rows_call_torch} "
-                f"fused_decode={self.kernels.graph_decode_fused}")
+                f"fused_decode={self.kernels.graph_decode_fused} "
+                f"int8_rows={sorted(self.kernels.int8_rows_shapes)}")
 
     def _decode_view(self) -> tuple[torch.nn.Module | None, int]:
         """The model view decode steps run (engine.rank.decode_weights): decode_dtype copies,

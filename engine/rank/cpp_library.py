@@ -1,0 +1,103 @@
+"""C++ kernels compiled on first use, for the CPU they run on, and loaded with ctypes.
+
+Each library is one C++ file beside its Python module, built with the machine's C++ compiler
+(the one inductor's CPU code needs too) for this CPU (-march=native), kept under the engine's
+cache folder by a hash of the source, compiler and CPU, so later starts load it at once. Its
+OpenMP threads come from the library torch already loaded. Where no compiler or build works, the
+library is simply absent (one warning): its kernels are then not candidates, and the engine runs
+torch's (engine.rank.kernel_choice).
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+log = logging.getLogger("engine")
+
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+
+
+class CompilerFailed(RuntimeError):
+    """The compiler could not build the library (wherever it is put)."""
+
+
+class CppLibrary:
+    """One C++ source's library: `get()` builds it once per process (thread-safe) and returns it
+    with its functions' argument types set, or None where it cannot be built or loaded."""
+
+    def __init__(self, source: Path, name: str, signatures: dict[str, list], without: str):
+        """`name`: what the warning calls it; `signatures`: each exported function's ctypes
+        argument types (all return an int status); `without`: what runs where it is absent."""
+        self.source, self.name, self.signatures, self.without = source, name, signatures, without
+        self._lock = threading.Lock()
+        self._loaded: list = []  # [the library, or None]: decided once
+
+    def get(self) -> ctypes.CDLL | None:
+        with self._lock:
+            if not self._loaded:
+                self._loaded.append(self._load())
+            return self._loaded[0]
+
+    def source_hash(self) -> str:
+        """The source and the headers beside it, hashed: what the build and timings of its
+        kernels (engine.rank.kernel_choice) hold for."""
+        h = hashlib.sha256(self.source.read_bytes())
+        for header in sorted(self.source.parent.glob("*.h")):
+            h.update(header.read_bytes())
+        return h.hexdigest()[:16]
+
+    def _load(self) -> ctypes.CDLL | None:
+        """From the cache folder, or, where that fails (a folder that cannot be written, a kept
+        library that does not load), built afresh in a private temporary folder."""
+        from engine.rank.kernel_choice import cache_dir  # which imports the kernels' modules
+
+        compiler = shutil.which(os.environ.get("CXX", "g++"))
+        if compiler is None:
+            log.warning("the %s is unavailable here (no C++ compiler: set CXX, or install g++); "
+                        "%s", self.name, self.without)
+            return None
+        error = None
+        for folder in (lambda: cache_dir() / "kernels", lambda: Path(tempfile.mkdtemp())):
+            try:
+                library = ctypes.CDLL(str(self.build(folder(), compiler)))
+            except (OSError, subprocess.SubprocessError, RuntimeError) as e:
+                error = e
+                if isinstance(e, CompilerFailed):
+                    break  # it would fail the same way in another folder
+                continue
+            for function, argtypes in self.signatures.items():
+                getattr(library, function).argtypes = argtypes
+                getattr(library, function).restype = ctypes.c_int
+            return library
+        log.warning("the %s is unavailable here (%s); %s", self.name, error, self.without)
+        return None
+
+    def build(self, folder: Path, compiler: str) -> Path:
+        """The library for this source, compiler and CPU in `folder`: built once, kept, found by
+        later starts."""
+        from engine.rank.kernel_choice import machine_key  # which imports the kernels' modules
+
+        asked = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60)
+        if asked.returncode != 0:
+            raise CompilerFailed(f"{compiler} --version failed: {asked.stderr.strip()[-300:]}")
+        key = hashlib.sha256("\0".join([self.source_hash(), asked.stdout, machine_key(),
+                                        *FLAGS]).encode())
+        path = folder / f"{self.source.stem}-{key.hexdigest()[:16]}.so"
+        if path.exists():
+            return path
+        folder.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
+        done = subprocess.run([compiler, *FLAGS, str(self.source), "-o", str(partial)],
+                              capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            partial.unlink(missing_ok=True)
+            raise CompilerFailed(f"{compiler} failed: {done.stderr.strip()[-500:]}")
+        os.replace(partial, path)  # another rank building at once replaces it with the same bytes
+        return path

@@ -1,0 +1,84 @@
+// Vectors of floats in the machine's widest registers (GCC vector extensions: AVX512, AVX2, or
+// whatever gcc vectorizes), and the bf16 <-> float32 conversions, for the engine's C++ kernels
+// (engine/rank/*.cpp, built by engine/rank/cpp_library.py with this folder on the include path).
+#pragma once
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+#if defined(__AVX512F__)
+constexpr int W = 16;  // floats per vector register
+#else
+constexpr int W = 8;
+#endif
+
+typedef float vf __attribute__((vector_size(W * 4)));
+typedef int32_t vi __attribute__((vector_size(W * 4)));
+
+inline vf splat(float x) { return vf{} + x; }
+
+// bfloat16 is float32's upper half: widening appends zeros; narrowing rounds to nearest even
+struct bf16 { uint16_t bits; };
+inline float widen(float x) { return x; }
+inline float widen(bf16 x) {
+  const uint32_t bits = static_cast<uint32_t>(x.bits) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+inline void narrow(float x, float* out) { *out = x; }
+inline void narrow(float x, bf16* out) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  out->bits = std::isnan(x) ? 0x7FC0 : static_cast<uint16_t>((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+}
+inline vf load(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
+// W values widened to float32
+inline vf load_widened(const float* p) { return load(p); }
+inline vf load_widened(const bf16* p) {
+  typedef uint16_t vh __attribute__((vector_size(W * 2)));
+  vh halves;
+  std::memcpy(&halves, p, sizeof halves);
+  const vi bits = __builtin_convertvector(halves, vi) << 16;
+  vf v;
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
+}
+inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
+
+inline float hmax(vf x) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_max_ps((__m512)x);
+#else
+  float m = x[0];
+  for (int w = 1; w < W; ++w) m = std::max(m, x[w]);
+  return m;
+#endif
+}
+
+inline float hsum(vf x) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_add_ps((__m512)x);
+#else
+  float s = 0.f;
+  for (int w = 0; w < W; ++w) s += x[w];
+  return s;
+#endif
+}
+
+// W int8 values widened to float32 (gcc's generic conversion of a byte vector ran ~10x slower)
+inline vf load_int8(const int8_t* p) {
+#if defined(__AVX512F__)
+  return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#elif defined(__AVX2__)
+  return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#else
+  typedef int8_t vq __attribute__((vector_size(W)));
+  vq q;
+  std::memcpy(&q, p, sizeof q);
+  return __builtin_convertvector(q, vf);
+#endif
+}
