@@ -8,7 +8,11 @@ against a multiply-and-sum (what the compiled decode graph uses for 1-2 rows), a
 reading plain weights against weights packed for one row, 30 layers' decode products in one
 graph against one graph a layer, and the cost of one call of the decode graph's KV store op.
 Prompt attention also runs as compiled flex attention (inductor's CPU template), checked
-against SDPA, and as the engine's fused kernel (engine/rank/fused_attention). Runs alternate; the fastest of each is kept.
+against SDPA, and as the engine's fused kernel (engine/rank/fused_attention). A decode row's KV
+store and attention of one layer, compiled as the decode graph runs them: its tensor math over
+the block table against the fused kernel's one call, timed as the engine times them at start-up.
+The int8 LM head (every weights=... mode) for one row: torch's `_weight_int8pack_mm` against the
+engine's C++ row product (engine/rank/int8_rows). Runs alternate; the fastest of each is kept.
 
     .venv/bin/python -m bench.cpu_ops
 """
@@ -21,13 +25,14 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import machine
-from engine.rank import fused_attention
+from engine.rank import fused_attention, int8_rows
 from engine.rank.blocked_attention import blocked_causal_attention
 from engine.rank import kernel_choice
 from engine.rank import gemm
 from engine.rank.gemm import linear, onednn_linear
 from engine.rank import graph_ops
 from engine.rank.kv_cache import KVCache, store_into
+from engine.rank.quantized import int8_per_channel
 
 PROJECTIONS = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
@@ -157,6 +162,22 @@ def kv_store_calls(repeats: int, calls: int = 1000) -> dict[str, float]:
     return {name: seconds / calls * 1e6 for name, seconds in times.items()}
 
 
+def decode_graph_attention(keys: int, dtype: torch.dtype) -> dict[str, float]:
+    """Microseconds for one decode row's KV store and attention over `keys` keys, each way the
+    decode graph can run them, compiled (engine.rank.kernel_choice's own start-up timing)."""
+    times = kernel_choice._time_decode_in_graph((HEADS, KV_HEADS, HEAD_DIM), 16, keys, dtype)
+    return {name: s * 1e6 for name, s in times.items()}
+
+
+def int8_lm_head(dtype: torch.dtype) -> dict[str, float]:
+    """GB/s of int8 codes and scales read by one row through SmolLM2's int8 LM head [49152,
+    576], over copies that outgrow the caches (engine.rank.kernel_choice's own timing)."""
+    weight = int8_per_channel(torch.randn(49152, 576).to(dtype))
+    times = kernel_choice._time_linear({"torch": gemm.linear, "fused": int8_rows.linear},
+                                       weight, 1)
+    return {name: weight.nbytes / s / 1e9 for name, s in times.items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=10)
@@ -195,6 +216,21 @@ def main() -> None:
     print(f"{'KV store op, us a call':<24} {'custom_op':>17} {'graph_op':>15} {'custom / graph':>18}")
     print(f"{'one decode row':<24} {r['custom_op']:>17.1f} {r['graph_op']:>15.1f} "
           f"{r['custom_op'] / r['graph_op']:>17.2f}x")
+    if fused_attention.available():
+        print(f"{'decode graph attention':<24} {'tensor math us':>17} {'fused us':>15} "
+              f"{'tensor / fused':>18}")
+        for dtype in (d for d in args.dtypes if getattr(torch, d) in fused_attention.DTYPES):
+            for keys in (256, 1024, 4096):
+                r = decode_graph_attention(keys, getattr(torch, dtype))
+                print(f"{dtype + f', {keys} keys':<24} {r['tensor-math']:>17.1f} "
+                      f"{r['fused']:>15.1f} {r['tensor-math'] / r['fused']:>17.2f}x")
+    if int8_rows.available():
+        print(f"{'int8 LM head, 1 row':<24} {'torch GB/s':>17} {'fused GB/s':>15} "
+              f"{'fused / torch':>18}")
+        for dtype in (d for d in args.dtypes if getattr(torch, d) in int8_rows.DTYPES):
+            r = int8_lm_head(getattr(torch, dtype))
+            print(f"{dtype:<24} {r['torch']:>17.1f} {r['fused']:>15.1f} "
+                  f"{r['fused'] / r['torch']:>17.2f}x")
     print(f"{'prompt attention q/kv':<24} {'SDPA ms':>9} {'blocked ms':>11} {'flex ms':>9} "
           f"{'fused ms':>9} {'fastest':>8}")
     for dtype in args.dtypes:

@@ -13,7 +13,8 @@ length, and a decode step's one query by its context length.
 Timings are kept on disk per CPU model, torch version, thread count and shape
 (`$PREFILL_ENGINE_CACHE`, else ~/.cache/prefill-engine), so only the first start-up on a machine
 pays for them; with compile=True so are whole steps timed through their graphs against eager
-(under the model's shape and the settings they depend on).
+(under the model's shape and the settings they depend on), and the decode graph's attention.
+Quantized weights (weights=...) time their int8 shapes' few-row products (engine.rank.int8_rows).
 """
 from __future__ import annotations
 
@@ -180,7 +181,7 @@ class Pick:
 
     op: str  # "linear", "attention", "decode-attention", "decode-weights", "graph-..."
     shape: tuple[int, ...]  # a weight's (out, in), or attention's (heads, kv heads, head dim)
-    rows: int  # the row count (tokens; keys for decode-attention) timed: the top of its bucket
+    rows: int  # the row count (tokens; keys for a decode attention) timed: the top of its bucket
     built_in: str  # the kernel run without measuring
     seconds: dict[str, float] = field(default_factory=dict)
     from_disk: bool = False
@@ -195,7 +196,7 @@ class Pick:
     def describe(self) -> str:
         times = ", ".join(f"{k} {s * 1e3:.3g} ms" for k, s in sorted(self.seconds.items()))
         what = " ".join(filter(None, (self.op, "x".join(map(str, self.shape)))))
-        unit = "keys" if self.op == "decode-attention" else "rows"
+        unit = "keys" if self.op in ("decode-attention", "graph-decode-attention") else "rows"
         return (f"{what} at {self.rows} {unit}: "
                 f"{self.kernel} ({times}{', kept on disk' if self.from_disk else ''})")
 
