@@ -65,11 +65,21 @@ def test_bias_and_leading_dims():
                                atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("rows", [0, 5])
-def test_row_counts_it_does_not_take_are_refused(rows):
+def test_row_counts_it_does_not_take_are_refused():
     weight = _weight(16, 32, torch.float32, seed=2)
     with pytest.raises(ValueError, match="1-4 rows of a multiple of 16"):
-        ir.product(torch.randn(rows, 32), weight.codes, weight.scales)
+        ir.product(torch.randn(5, 32), weight.codes, weight.scales)
+
+
+def test_no_rows_and_other_dtypes():
+    """No rows: an empty product; x of another dtype or strided along k: converted, and the
+    answer comes in the scales' dtype."""
+    weight = _weight(16, 32, torch.bfloat16, seed=2)
+    assert ir.product(torch.randn(0, 32), weight.codes, weight.scales).shape == (0, 16)
+    x = torch.randn(32, 2)[:, 0].unsqueeze(0)  # float32, k-stride 2
+    y = ir.product(x, weight.codes, weight.scales)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.double(), _float64(x.bfloat16(), weight), atol=0.1, rtol=2 ** -8)
 
 
 def test_weights_it_does_not_take():

@@ -37,14 +37,16 @@ def takes(weight: QuantizedWeight) -> bool:
 
 
 def product(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """x [rows, k] (1 <= rows <= KERNEL_ROWS, scales' dtype) times the int8 weight whose codes
-    are [n, k] and per-channel scales [n]: [rows, n]."""
+    """x [rows, k] (rows <= KERNEL_ROWS) times the int8 weight whose codes are [n, k] and
+    per-channel scales [n]: [rows, n] in the scales' dtype (x is converted to it)."""
     library = LIBRARY.get()
     if library is None:
         raise RuntimeError("the int8 row product is not built on this machine")
     if x.dtype is not scales.dtype or x.stride(-1) != 1:
         x = x.to(scales.dtype).contiguous()
     y = x.new_empty(len(x), len(codes))
+    if len(x) == 0:
+        return y
     status = library.int8_rows_product(
         x.data_ptr(), x.stride(0), len(x), codes.data_ptr(), scales.data_ptr(), y.data_ptr(),
         len(codes), codes.shape[1], x.dtype is torch.bfloat16, torch.get_num_threads())
@@ -57,8 +59,9 @@ def product(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch
 
 
 # the product as an opaque op for compiled graphs (a decode step's LM head)
-int8_rows = graph_op.define("int8_rows(Tensor x, Tensor codes, Tensor scales) -> Tensor", product,
-                            lambda x, codes, scales: x.new_empty(x.shape[0], codes.shape[0]))
+int8_rows = graph_op.define(
+    "int8_rows(Tensor x, Tensor codes, Tensor scales) -> Tensor", product,
+    lambda x, codes, scales: x.new_empty(x.shape[0], codes.shape[0], dtype=scales.dtype))
 
 
 def linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:

@@ -19,11 +19,13 @@ Quantized weights (weights=...) time their int8 shapes' few-row products (engine
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import logging
 import os
 import platform
 import time
+import types
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -56,9 +58,13 @@ LM_HEAD_ROWS = 64  # above this many logits rows (scoring a prompt) the LM head 
 MAX_TIMED_ROWS = 2048
 # the longest context a decode step's attention is timed at; longer ones take its pick
 MAX_TIMED_CONTEXT = 8192
-# the context the decode graph's attention is timed at (one choice serves every length: the
-# fused kernel timed 2-5x the graph's tensor math from 320 to 4096 keys on the AVX512 EPYC)
-GRAPH_DECODE_CONTEXT = 1024
+# The context the decode graph's attention is timed at: one choice serves every length. The
+# timing's caches stay warm, a step's do not (its weights stream through between layers), which
+# understates what the fused kernel saves the more, the shorter the context: on the AVX512 EPYC
+# it timed 1.2x the tensor math at 256 keys, 1.1-1.4x at 1024 and 1.4-2.0x at 4096 (2 threads,
+# `python -m bench.cpu_ops`, BENCHMARKS.md session 42).
+GRAPH_DECODE_CONTEXT = 2048
+TIMED_DECODE_LAYERS = 8  # layers in one timed graph: its call's own cost shared, as in a step
 # another kernel replaces the built-in one only when at least this much faster: timings on a
 # shared machine jitter by more than the gaps between close candidates
 MARGIN = 1.10
@@ -463,14 +469,29 @@ def _time_in_graph(kernels: dict[str, Callable], weights: list[torch.Tensor]) ->
     return fastest(graphs)
 
 
+def _store_and_attend_layers(ctx: StepContext, q: torch.Tensor, k: torch.Tensor,
+                             v: torch.Tensor, scale: float) -> list[torch.Tensor]:
+    """What a decode graph's layers do to the cache: store one row's K/V, then attend."""
+    out = []
+    for layer in range(ctx.cache.data.shape[1]):
+        ctx.ops.store(ctx, layer, k, v)
+        out.append(ctx.ops.attend(ctx, layer, q, k, v, scale))
+    return out
+
+
+_decode_timings = itertools.count()  # each timing compiles code of its own (below)
+
+
 def _time_decode_in_graph(heads: tuple[int, int, int], block_size: int, context: int,
                           dtype: torch.dtype) -> dict[str, float]:
-    """Seconds for one decode row's store and attention over `context` keys of a one-layer
-    cache, through each of the decode graph's ops (engine.rank.padded_decode), compiled."""
+    """Seconds per layer for one decode row's store and attention over `context` keys, through
+    each of the decode graph's ops (engine.rank.padded_decode): TIMED_DECODE_LAYERS layers of
+    distinct caches in one compiled graph, so its call's own cost is shared as a step's is."""
     keep_compiled_code()
     num_q, num_kv, head_dim = heads
     width = max(2, -(-context // block_size))
-    cache = KVCache(1, width, block_size, num_kv, head_dim, dtype, torch.device("cpu"))
+    cache = KVCache(TIMED_DECODE_LAYERS, width, block_size, num_kv, head_dim, dtype,
+                    torch.device("cpu"))
     cache.data.normal_()
     ints = partial(torch.tensor, dtype=torch.int32)
     meta = PaddedDecode(ints([context - 1]), ints([list(range(width))]), ints([context]),
@@ -478,14 +499,21 @@ def _time_decode_in_graph(heads: tuple[int, int, int], block_size: int, context:
     q = torch.randn(1, num_q, head_dim, dtype=dtype)
     k, v = (torch.randn(1, num_kv, head_dim, dtype=dtype) for _ in range(2))
     step = partial(padded_context, ints([0]), ints([context - 1]), meta, cache, False)
-
-    def layer(ctx: StepContext) -> torch.Tensor:
-        ctx.ops.store(ctx, 0, k, v)
-        return ctx.ops.attend(ctx, 0, q, k, v, head_dim ** -0.5)
-    graphs = {name: torch.compile(partial(layer, step(fused=name == "fused")), dynamic=False,
-                                  fullgraph=True)
+    # dynamo keeps at most 8 graphs per code object: engines of other shapes in one process
+    # would use them up, so this timing's graphs get code of their own
+    code = _store_and_attend_layers.__code__
+    layers = types.FunctionType(code.replace(co_name=f"{code.co_name}_{next(_decode_timings)}"),
+                                globals())
+    graph = torch.compile(layers, dynamic=False, fullgraph=True)  # not a partial: compiling
+    # one wraps it in code that every partial shares
+    graphs = {name: partial(graph, step(fused=name == "fused"), q, k, v, head_dim ** -0.5)
               for name in ("tensor-math", "fused")}
-    return fastest(graphs)
+    for graph in graphs.values():  # compiled, its guards checked once
+        graph()
+    # then run as a decode graph runs once trusted (engine.rank.compiled): guards unchecked
+    with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
+        seconds = fastest(graphs)
+    return {name: s / TIMED_DECODE_LAYERS for name, s in seconds.items()}
 
 
 def _time_attention(heads: tuple[int, int, int], tokens: int, dtype: torch.dtype,
