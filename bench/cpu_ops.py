@@ -178,6 +178,14 @@ def int8_lm_head(dtype: torch.dtype) -> dict[str, float]:
     return {name: weight.nbytes / s / 1e9 for name, s in times.items()}
 
 
+def _table_row(label: str, first, second, ratio) -> None:
+    """A row of two figures and their ratio (or, given strings, the header of such rows)."""
+    if isinstance(first, str):
+        print(f"{label:<24} {first:>17} {second:>15} {ratio:>18}")
+    else:
+        print(f"{label:<24} {first:>17.1f} {second:>15.1f} {ratio:>17.2f}x")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=10)
@@ -217,20 +225,17 @@ def main() -> None:
     print(f"{'one decode row':<24} {r['custom_op']:>17.1f} {r['graph_op']:>15.1f} "
           f"{r['custom_op'] / r['graph_op']:>17.2f}x")
     if fused_attention.available():
-        print(f"{'decode graph attention':<24} {'tensor math us':>17} {'fused us':>15} "
-              f"{'tensor / fused':>18}")
+        _table_row("decode graph attention", "tensor math us", "fused us", "tensor / fused")
         for dtype in (d for d in args.dtypes if getattr(torch, d) in fused_attention.DTYPES):
             for keys in (256, 1024, 4096):
                 r = decode_graph_attention(keys, getattr(torch, dtype))
-                print(f"{dtype + f', {keys} keys':<24} {r['tensor-math']:>17.1f} "
-                      f"{r['fused']:>15.1f} {r['tensor-math'] / r['fused']:>17.2f}x")
+                _table_row(f"{dtype}, {keys} keys", r["tensor-math"], r["fused"],
+                           r["tensor-math"] / r["fused"])
     if int8_rows.available():
-        print(f"{'int8 LM head, 1 row':<24} {'torch GB/s':>17} {'fused GB/s':>15} "
-              f"{'fused / torch':>18}")
+        _table_row("int8 LM head, 1 row", "torch GB/s", "fused GB/s", "fused / torch")
         for dtype in (d for d in args.dtypes if getattr(torch, d) in int8_rows.DTYPES):
             r = int8_lm_head(getattr(torch, dtype))
-            print(f"{dtype:<24} {r['torch']:>17.1f} {r['fused']:>15.1f} "
-                  f"{r['fused'] / r['torch']:>17.2f}x")
+            _table_row(dtype, r["torch"], r["fused"], r["fused"] / r["torch"])
     print(f"{'prompt attention q/kv':<24} {'SDPA ms':>9} {'blocked ms':>11} {'flex ms':>9} "
           f"{'fused ms':>9} {'fastest':>8}")
     for dtype in args.dtypes:

@@ -312,19 +312,28 @@ class KernelChoice:
         shapes = one_per_shape(weights)
         if self.dtype not in (torch.float32, torch.bfloat16) or not shapes:
             return
-        store = TimingStore.open()
         candidates = {"multiply-and-sum": gemm.matvec, "torch": F.linear}
+        pick = self._compiled_pick(
+            Pick("graph-linear", tuple(sorted(shapes)), 1, "multiply-and-sum"), candidates,
+            lambda: _time_in_graph(candidates, list(shapes.values())), "",
+            "compiled products", "the multiply-and-sum")
+        self.graph_rows_call_torch = pick is not None and pick.kernel == "torch"
+
+    def _compiled_pick(self, pick: Pick, candidates: dict, measure: Callable[[], dict],
+                       setup: str, what: str, kept: str) -> Pick | None:
+        """`pick` timed by compiling graphs (or read from disk), and kept; None, with one
+        warning naming `what` was timed and which built-in is `kept`, where compiling failed
+        (as a failed compile at start-up keeps eager: engine.rank.warmup)."""
+        store = TimingStore.open()
         try:
-            pick = store.get_or_time(
-                Pick("graph-linear", tuple(sorted(shapes)), 1, "multiply-and-sum"), self.dtype,
-                candidates, lambda: _time_in_graph(candidates, list(shapes.values())))
-        except Exception as e:  # noqa: BLE001  as a failed compile (engine.rank.warmup): eager
-            log.warning("timing compiled products failed on this setup (%s: %s); the "
-                        "multiply-and-sum stays", type(e).__name__, e)
-            return
+            pick = store.get_or_time(pick, self.dtype, candidates, measure, setup)
+        except Exception as e:  # noqa: BLE001  whatever inductor or the compiler raised
+            log.warning("timing %s failed on this setup (%s: %s); %s stays", what,
+                        type(e).__name__, e, kept)
+            return None
         store.save()
         self.picks.append(pick)
-        self.graph_rows_call_torch = pick.kernel == "torch"
+        return pick
 
     def choose_int8_rows(self, weights: list[QuantizedWeight]) -> None:
         """weights=...: time one row's product with each int8 weight shape (the LM head; every
@@ -355,20 +364,13 @@ class KernelChoice:
                 and fused_attention.available()):
             return
         context = max(1, min(GRAPH_DECODE_CONTEXT, max_context))
-        store = TimingStore.open()
-        candidates = dict.fromkeys(("tensor-math", "fused"))
-        try:
-            pick = store.get_or_time(
-                Pick("graph-decode-attention", heads, context, "tensor-math"), self.dtype,
-                candidates, lambda: _time_decode_in_graph(heads, block_size, context, self.dtype),
-                f"fused {fused_attention.source_hash()}")
-        except Exception as e:  # noqa: BLE001  as a failed compile (engine.rank.warmup)
-            log.warning("timing the decode graph's attention failed on this setup (%s: %s); "
-                        "its tensor math stays", type(e).__name__, e)
-            return
-        store.save()
-        self.picks.append(pick)
-        self.graph_decode_fused = pick.kernel == "fused"
+        pick = self._compiled_pick(
+            Pick("graph-decode-attention", heads, context, "tensor-math"),
+            dict.fromkeys(("tensor-math", "fused")),
+            lambda: _time_decode_in_graph(heads, block_size, context, self.dtype),
+            f"fused {fused_attention.source_hash()}", "the decode graph's attention",
+            "its tensor math")
+        self.graph_decode_fused = pick is not None and pick.kernel == "fused"
 
     def choose_graph_steps(self, steps: dict[str, tuple[int, Callable[[bool], object]]],
                            model_shape: tuple[int, ...], setup: str,
