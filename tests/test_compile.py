@@ -46,12 +46,16 @@ def eager(llama):
 def _graph_rows_timed(tmp_path: Path, faster: str,
                       eager_steps: tuple[str, ...] = ()) -> pytest.MonkeyPatch:
     """The start-up timing of a graph's one-row products made to pick `faster`, in a timings
-    folder of its own (a kept timing would be read instead); and the timing of whole steps
-    made to keep every kind's graphs but `eager_steps`' (each candidate still runs once)."""
+    folder of its own (a kept timing would be read instead); the decode graph's attention made
+    to pick the fused kernel (so every decode graph here runs it); and the timing of whole
+    steps made to keep every kind's graphs but `eager_steps`' (each candidate still runs
+    once)."""
     mp = pytest.MonkeyPatch()
     mp.setenv("PREFILL_ENGINE_CACHE", str(tmp_path))
     slower = {"multiply-and-sum": "torch", "torch": "multiply-and-sum"}[faster]
     mp.setattr(kernel_choice, "_time_in_graph", lambda kernels, weights: {faster: 1.0, slower: 2.0})
+    mp.setattr(kernel_choice, "_time_decode_in_graph",
+               lambda heads, block, context, dtype: {"tensor-math": 2.0, "fused": 1.0})
 
     def time_step(kind, candidates, rounds):
         for run in candidates.values():
@@ -157,7 +161,7 @@ def test_a_step_kind_timed_faster_eagerly_runs_eagerly(llama, want, tmp_path, ea
     decode_steps = {t.graph for t in steps if t.num_tokens == t.num_seqs}  # one row each
     assert picks == {"graph-prompt": "eager" if eager_kind == "prompt" else "graph",
                      "graph-decode": "eager" if eager_kind == "decode" else "graph",
-                     "graph-linear": "multiply-and-sum"}
+                     "graph-linear": "multiply-and-sum", "graph-decode-attention": "fused"}
     if eager_kind == "decode":  # nor does a decode step of 3 or 5 rows take the layers graph
         assert "layers" in graphs and decode_steps == {""}
     else:

@@ -333,6 +333,10 @@ def test_a_decode_graph_where_it_wins_runs_it_and_keeps_the_tokens(tiny_model_di
     monkeypatch.setenv("PREFILL_ENGINE_CACHE", str(tmp_path))
     monkeypatch.setattr(kc, "_time_decode_in_graph", lambda heads, block, context, dtype: (
         {"tensor-math": 3e-3, "fused": 1e-3}))
+    # and the steps' own timing made to keep the graphs (on a busy machine eager decode steps
+    # may time faster, and would never reach the decode graph)
+    monkeypatch.setattr(kc, "_time_step", lambda kind, candidates, rounds: [
+        run() for run in candidates.values()] and {"graph": 1.0, "eager": 2.0})
     library, calls = fa._kernels(), []
 
     class Counted:
