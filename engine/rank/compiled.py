@@ -132,7 +132,7 @@ class CompiledModel:
             # which would specialise the layer index too)
             path = (graph_file(cache_dir() / "graphs", name, keep_key)
                     if keep_key is not None else None)
-            return KeptGraph(_own_code(fn, setup, rows), path, **options)
+            return KeptGraph(own_code(fn, setup, rows), path, **options)
 
         self._layer = graph(_layer, "layer", mark=_mark_rows)  # token count dynamic
 
@@ -227,7 +227,9 @@ class CompiledModel:
             return heads.get(rows, _decode_head)(model, x, residual)
 
 
-def _own_code(fn: Callable, setup: str, rows: int | None = None) -> Callable:
+def own_code(fn: Callable, setup: str, rows: int | None = None) -> Callable:
+    """`fn` with code of its own, named after it and `setup` (and `rows`): dynamo keeps its
+    graphs, at most 8, per code object, so graphs that must not evict each other get their own."""
     name = f"{fn.__name__}_{setup}" + ("" if rows is None else f"_rows{rows}")
     return types.FunctionType(fn.__code__.replace(co_name=name), fn.__globals__, name)
 

@@ -71,10 +71,13 @@ inline float hsum(vf x) {
 
 // W int8 values widened to float32 (gcc's generic conversion of a byte vector ran ~10x slower)
 inline vf load_int8(const int8_t* p) {
+#if defined(__AVX512F__) || defined(__AVX2__)
+  const __m128i* bytes = reinterpret_cast<const __m128i*>(p);
+#endif
 #if defined(__AVX512F__)
-  return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  return (vf)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(bytes)));
 #elif defined(__AVX2__)
-  return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  return (vf)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(bytes)));
 #else
   typedef int8_t vq __attribute__((vector_size(W)));
   vq q;

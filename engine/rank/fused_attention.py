@@ -67,10 +67,10 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         return sdpa_attention(q, k, v, scale, shared_kv=k.shape[1] != q.shape[1])
     q, k, v = (_heads_contiguous(t) for t in (q, k, v))
     out = torch.empty(q.shape, dtype=q.dtype)
-    status = kernels.fused_causal_attention(q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(),
-                    v.stride(0), out.data_ptr(), out.stride(0), len(q), len(k), q.shape[1],
-                    k.shape[1], q.shape[2], scale, q.dtype == torch.bfloat16,
-                    torch.get_num_threads())
+    status = kernels.fused_causal_attention(
+        q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+        out.data_ptr(), out.stride(0), len(q), len(k), q.shape[1], k.shape[1], q.shape[2], scale,
+        q.dtype == torch.bfloat16, torch.get_num_threads())
     _check(status, f"causal attention of {len(q)} queries over {len(k)} keys")
     return out
 
@@ -106,7 +106,7 @@ def paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch
                           for t in (slot_mapping, block_table, context_lens))
     out = q.new_empty(q.shape)
     _, _, num_blocks, block_size, hkv, head_dim = cache.shape
-    token = hkv * head_dim  # the cache is contiguous (supports_paged_decode)
+    token = hkv * head_dim  # the cache is contiguous (checked above)
     layer_k = cache.data_ptr() + layer * cache.stride(1) * cache.element_size()
     layer_v = layer_k + cache.stride(0) * cache.element_size()
     status = kernels.fused_paged_decode(

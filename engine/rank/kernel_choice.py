@@ -25,7 +25,6 @@ import logging
 import os
 import platform
 import time
-import types
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -355,7 +354,7 @@ class KernelChoice:
 
     def choose_graph_decode_attention(self, heads: tuple[int, int, int], kv_head_of_q: list[int],
                                       block_size: int, max_context: int) -> None:
-        """compile=True on a CPU: time one decode row's KV store and attention of one layer, as
+        """compile=True on a CPU: time one decode row's KV store and attention per layer, as
         the decode graph runs them (engine.rank.padded_decode), each compiled: the graph's own
         tensor math over the block table (the built-in) and one call to the fused kernel
         (engine.rank.fused_attention.paged_decode); graphs compiled afterwards take the pick.
@@ -501,17 +500,17 @@ def _time_decode_in_graph(heads: tuple[int, int, int], block_size: int, context:
     q = torch.randn(1, num_q, head_dim, dtype=dtype)
     k, v = (torch.randn(1, num_kv, head_dim, dtype=dtype) for _ in range(2))
     step = partial(padded_context, ints([0]), ints([context - 1]), meta, cache, False)
-    # dynamo keeps at most 8 graphs per code object: engines of other shapes in one process
-    # would use them up, so this timing's graphs get code of their own
-    code = _store_and_attend_layers.__code__
-    layers = types.FunctionType(code.replace(co_name=f"{code.co_name}_{next(_decode_timings)}"),
-                                globals())
-    graph = torch.compile(layers, dynamic=False, fullgraph=True)  # not a partial: compiling
-    # one wraps it in code that every partial shares
-    graphs = {name: partial(graph, step(fused=name == "fused"), q, k, v, head_dim ** -0.5)
+    from engine.rank.compiled import own_code  # which imports this module
+
+    # code of its own per timing, so engines of other shapes in one process do not use up
+    # dynamo's graphs for it; the function itself compiled, not a partial of it (dynamo wraps
+    # every partial in one shared piece of code)
+    compiled = torch.compile(own_code(_store_and_attend_layers, f"timing{next(_decode_timings)}"),
+                             dynamic=False, fullgraph=True)
+    graphs = {name: partial(compiled, step(fused=name == "fused"), q, k, v, head_dim ** -0.5)
               for name in ("tensor-math", "fused")}
-    for graph in graphs.values():  # compiled, its guards checked once
-        graph()
+    for run in graphs.values():  # compiled, its guards checked once
+        run()
     # then run as a decode graph runs once trusted (engine.rank.compiled): guards unchecked
     with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
         seconds = fastest(graphs)

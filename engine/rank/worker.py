@@ -121,7 +121,8 @@ class Worker:
         return (f"{machine_key()}|{plan.model!r}|{self.shard!r} cp={plan.cp}|dtype={plan.dtype} "
                 f"decode_dtype={plan.decode_dtype} weights={plan.weights} backend={plan.backend} "
                 f"block={plan.block_size} max_len={plan.max_model_len} "
-                f"overlap={plan.overlap_comm} graph_rows_torch={self.kernels.graph_rows_call_torch} "
+                f"overlap={plan.overlap_comm} "
+                f"graph_rows_torch={self.kernels.graph_rows_call_torch} "
                 f"fused_decode={self.kernels.graph_decode_fused} "
                 f"int8_rows={sorted(self.kernels.int8_rows_shapes)}")
 
