@@ -12,7 +12,9 @@ against SDPA, and as the engine's fused kernel (engine/rank/fused_attention). A 
 store and attention of one layer, compiled as the decode graph runs them: its tensor math over
 the block table against the fused kernel's one call, timed as the engine times them at start-up.
 The int8 LM head (every weights=... mode) for one row: torch's `_weight_int8pack_mm` against the
-engine's C++ row product (engine/rank/int8_rows). Runs alternate; the fastest of each is kept.
+engine's C++ row product (engine/rank/int8_rows). A prompt's products with plain weights against
+copies packed for its rows (engine.rank.gemm.PromptCopies). Runs alternate; the fastest of each
+is kept.
 
     .venv/bin/python -m bench.cpu_ops
 """
@@ -96,13 +98,29 @@ def packed_decode_rows(rows: int, repeats: int) -> dict[str, float]:
     packed for one row (what a bf16 model's decode steps read where the start-up timing finds it
     faster: engine.rank.decode_weights). GB/s of weight read."""
     weights = [torch.randn(shape, dtype=torch.bfloat16) for _ in range(30) for shape in PROJECTIONS]
-    packed = [gemm.pack_for_one_row(w) for w in weights]
+    packed = [gemm.pack_for_rows(w, 1) for w in weights]
     inputs = {k: torch.randn(rows, k, dtype=torch.bfloat16) for k in (576, 1536)}
     nbytes = sum(w.nbytes for w in weights)
     t = fastest({"plain": lambda: [linear(inputs[w.shape[1]], w) for w in weights],
                  "packed": lambda: [linear(inputs[w.shape[1]], p) for w, p in zip(weights, packed)]},
                 repeats)
     return {name: nbytes / s / 1e9 for name, s in t.items()}
+
+
+def prompt_copies(rows: int, dtype: torch.dtype, repeats: int) -> dict[str, float]:
+    """A prompt's rows through 30 layers' projections (distinct weights) by oneDNN, each
+    weight plain (reordered inside every product) against a copy packed once for those rows
+    (what prompts read where the start-up timing finds it faster: engine.rank.gemm.PromptCopies).
+    GFLOP/s."""
+    weights = [torch.randn(shape, dtype=dtype) for _ in range(30) for shape in PROJECTIONS]
+    packed = [gemm.pack_for_rows(w, rows) for w in weights]
+    inputs = {k: torch.randn(rows, k, dtype=dtype) for k in (576, 1536)}
+    flops = sum(2 * rows * w.numel() for w in weights)
+    product = gemm.eager_onednn_linear
+    t = fastest({"plain": lambda: [product(inputs[w.shape[1]], w) for w in weights],
+                 "packed": lambda: [product(inputs[w.shape[1]], p)
+                                    for w, p in zip(weights, packed)]}, repeats)
+    return {name: flops / s / 1e9 for name, s in t.items()}
 
 
 def attention(q_len: int, kv_len: int, dtype: torch.dtype, repeats: int) -> dict[str, float]:
@@ -220,6 +238,11 @@ def main() -> None:
             r = packed_decode_rows(rows, args.repeats)
             print(f"{f'bfloat16, {rows} rows':<24} {r['plain']:>17.1f} {r['packed']:>15.1f} "
                   f"{r['packed'] / r['plain']:>17.2f}x")
+    _table_row("prompt weights", "plain GFLOP/s", "packed GFLOP/s", "packed / plain")
+    for dtype in (d for d in args.dtypes if gemm.onednn_runs(getattr(torch, d))):
+        for rows in (512, 2048):
+            r = prompt_copies(rows, getattr(torch, dtype), max(2, args.repeats // 3))
+            _table_row(f"{dtype}, {rows} rows", r["plain"], r["packed"], r["packed"] / r["plain"])
     r = kv_store_calls(args.repeats)
     print(f"{'KV store op, us a call':<24} {'custom_op':>17} {'graph_op':>15} {'custom / graph':>18}")
     print(f"{'one decode row':<24} {r['custom_op']:>17.1f} {r['graph_op']:>15.1f} "

@@ -81,10 +81,10 @@ def _kernel_lines(picks: list[str]) -> list[str]:
     if not picks:
         return ["kernels: the built-in choice (kernel_choice='fixed', or not a CPU)"]
     lines = []
-    # decode-weights: bf16 models only; graph-linear: compile=True, float32
-    # only; graph-prompt / graph-decode: compile=True, one rank
-    for op in ("linear", "attention", "decode-attention", "decode-weights", "graph-linear",
-               "graph-prompt", "graph-decode"):
+    # decode-weights: bf16 models only; prompt-weights: where oneDNN multiplies the dtype;
+    # graph-linear: compile=True, float32 only; graph-prompt / graph-decode: compile=True, one rank
+    for op in ("linear", "attention", "decode-attention", "decode-weights", "prompt-weights",
+               "graph-linear", "graph-prompt", "graph-decode"):
         won: dict[str, int] = {}
         for pick in (p for p in picks if p.startswith(op + " ")):
             kernel = pick.split(": ", 1)[1].split(" ", 1)[0]

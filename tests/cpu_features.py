@@ -10,3 +10,6 @@ from engine.rank import gemm
 # tests/test_kernel_choice.py::test_without_onednn_bf16_* checks on any CPU
 needs_onednn_bf16 = pytest.mark.skipif(
     not gemm.HAVE_ONEDNN_BF16, reason="oneDNN builds no bf16 products on this CPU (AVX2 only)")
+
+# packed prompt copies are oneDNN's layout: a torch build without oneDNN never makes them
+needs_onednn = pytest.mark.skipif(not gemm.HAVE_ONEDNN, reason="this torch has no oneDNN")

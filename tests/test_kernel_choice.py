@@ -16,7 +16,7 @@ from engine.rank import kernel_choice as kc
 from engine.rank.attention import torch_attention
 from engine.rank.kv_cache import KVCache
 from engine.rank.step_metadata import build_step_metadata
-from tests.cpu_features import needs_onednn_bf16
+from tests.cpu_features import needs_onednn, needs_onednn_bf16
 
 HEADS = (4, 2, 16)  # query heads, KV heads, head dim
 
@@ -238,7 +238,7 @@ def test_a_packed_bf16_weight_computes_the_product(rows):
     gen = torch.Generator().manual_seed(2)
     w, x = (torch.randn(*shape, generator=gen).bfloat16() for shape in ((48, 32), (rows, 32)))
     bias = torch.randn(48, generator=gen).bfloat16()
-    y = gemm.linear(x, gemm.pack_for_one_row(w), bias)
+    y = gemm.linear(x, gemm.pack_for_rows(w, 1), bias)
     assert y.dtype == torch.bfloat16
     torch.testing.assert_close(y.double(), x.double() @ w.double().t() + bias.double(),
                                rtol=0, atol=0.12)
@@ -254,20 +254,133 @@ def test_only_a_bf16_model_times_packed_decode_copies(cache):
         assert all(set(p.seconds) == {"plain", "packed"} for p in decode_picks)
 
 
+
+def _prompt_copies_timed(monkeypatch, speedup: float) -> list[int]:
+    """Prompt copies timed `speedup` times faster than the plain weights; the rows timed."""
+    rows = []
+
+    def timed(plain, weights, n):
+        rows.append(n)
+        return {"plain": 1e-3 * speedup, "packed": 1e-3}
+
+    monkeypatch.setattr(kc, "_time_prompt_copies", timed)
+    return rows
+
+
+@needs_onednn
+@pytest.mark.parametrize("speedup,packed", [(1.01, False), (1.05, True)])
+def test_prompt_copies_are_one_pick_with_a_margin_of_their_own(cache, monkeypatch, speedup,
+                                                               packed):
+    """One pick over every projection shape but the LM head's, timed at a prompt's rows (the
+    token budget where smaller); packed copies win beyond PROMPT_COPY_MARGIN (below the other
+    picks' MARGIN), and then the prompt-sized buckets run oneDNN, which reads them."""
+    rows = _prompt_copies_timed(monkeypatch, speedup)
+    weights = [torch.randn(out, 32) for out in (48, 64, 80)]
+    choice = kc.KernelChoice(torch.float32)
+    choice.measure(weights, HEADS, 64, lm_head_shape=(80, 32))
+    [pick] = [p for p in choice.picks if p.op == "prompt-weights"]
+    assert rows == [64] and pick.shape == ((48, 32), (64, 32)) and pick.rows == 64
+    assert kc.PROMPT_COPY_MARGIN < 1.05 < kc.MARGIN
+    assert choice.packed_prompt_shapes == ({(48, 32), (64, 32)} if packed else set())
+    prompt_bucket, decode_bucket = kc.row_bucket(64), kc.row_bucket(gemm.PROMPT_COPY_ROWS)
+    for shape in ((48, 32), (64, 32)):
+        reads_copies = choice._linear[(*shape, prompt_bucket)] is gemm.eager_onednn_linear
+        assert reads_copies or not packed
+        assert choice._linear[(*shape, decode_bucket)] is not gemm.eager_onednn_linear or (
+            [p for p in choice.picks if p.op == "linear" and p.shape == shape
+             and p.rows == gemm.PROMPT_COPY_ROWS][0].kernel == "onednn")
+    # a token budget of at most PROMPT_COPY_ROWS: no prompt is long enough to gain
+    small = kc.KernelChoice(torch.float32)
+    small.measure(weights, HEADS, gemm.PROMPT_COPY_ROWS)
+    assert not [p for p in small.picks if p.op == "prompt-weights"] and rows == [64]
+
+
+@needs_onednn
+def test_a_prompt_copy_serves_its_weight_until_the_weight_is_written(monkeypatch):
+    """Products of more than PROMPT_COPY_ROWS rows read the registered copy (and compute the
+    product); a view at the weight's address, a few-row product or a weight written in place
+    since read the weight itself: a stale copy would be a wrong answer."""
+    copies = gemm.PromptCopies()
+    monkeypatch.setattr(gemm, "PROMPT_COPIES", copies)
+    found = []
+    find = copies.find
+    monkeypatch.setattr(copies, "find", lambda w: found.append(find(w) is not w) or find(w))
+    gen = torch.Generator().manual_seed(3)
+    w, bias = torch.randn(48, 32, generator=gen), torch.randn(48, generator=gen)
+    assert copies.add([w, torch.randn(8, 8).requires_grad_(False)], 64) == w.nbytes + 256
+    with torch.inference_mode():  # no version counter: never copied
+        assert copies.add([torch.randn(8, 8)], 64) == 0
+    x = torch.randn(gemm.PROMPT_COPY_ROWS + 1, 32, generator=gen)
+    for weight in (w, w * 1):
+        torch.testing.assert_close(gemm.eager_onednn_linear(x, weight, bias), x @ weight.t() + bias)
+    assert found == [True, False]
+    assert find(w[:16]) is not None and not find(w[:16]).is_mkldnn  # same address, other shape
+    gemm.eager_onednn_linear(x[:gemm.PROMPT_COPY_ROWS], w)
+    assert found == [True, False]  # a decode-sized product does not look
+    w.mul_(-1)
+    torch.testing.assert_close(gemm.eager_onednn_linear(x, w), x @ w.t())
+    assert found[-1] is False
+    copies.remove([w.data_ptr()])
+    assert find(w) is w
+
+
+@needs_onednn
+@pytest.mark.parametrize("compile", [False, True])
+def test_prompts_read_packed_copies_where_they_won(tiny_model_dir, cache, monkeypatch, compile):
+    """Packed prompt copies made to win the timing: every projection but the LM head is held
+    once more (the picks and the bytes say so), prompt steps read the copies, eagerly and
+    through the layers graph, decode steps do not, and logits and tokens are those of the
+    plain weights."""
+    copies = gemm.PromptCopies()
+    monkeypatch.setattr(gemm, "PROMPT_COPIES", copies)
+    read = []
+    find = copies.find
+    monkeypatch.setattr(copies, "find",
+                        lambda w: find(w) if find(w) is w else read.append(len(w)) or find(w))
+    path = str(tiny_model_dir("llama"))
+    prompts = [[5, 9, 2, 7, 11, 3, 8, 1] * 3, [4, 4, 6] * 7]
+    outs, infos, logits, reads = {}, {}, {}, {}
+    _prompt_copies_timed(monkeypatch, 2.0)
+    for choice in ("measure", "fixed"):
+        with LLM(path, kernel_choice=choice, max_num_batched_tokens=64, compile=compile) as llm:
+            [infos[choice]] = llm.rank_info()
+            read.clear()
+            logits[choice] = [o.logits for o in llm.prefill(prompts)]
+            generated = llm.generate(prompts, SamplingParams(max_tokens=6))
+            outs[choice] = [o.token_ids for o in generated]
+            reads[choice] = list(read)
+    cfg = json.loads((tiny_model_dir("llama") / "config.json").read_text())
+    h, ffn, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    kv = cfg["num_key_value_heads"] * h // cfg["num_attention_heads"]
+    # the prefill's one step (both prompts: 45 rows) reads q/k/v, o, gate/up and down's copies
+    # in every layer; generate's prompt step (the rows after the cached blocks: 13) and the
+    # decode steps' (2 rows) read none
+    assert reads == {"measure": [h + 2 * kv, h, 2 * ffn, h] * layers, "fixed": []}
+    per_layer = h * (h + 2 * kv) + h * h + 2 * ffn * h + ffn * h
+    assert infos["measure"].weight_bytes - infos["fixed"].weight_bytes == 4 * layers * per_layer
+    assert [line for line in infos["measure"].kernels if line.startswith("prompt-weights")]
+    for got, want in zip(logits["measure"], logits["fixed"]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert outs["measure"] == outs["fixed"]
+
 def test_the_walkthrough_counts_each_ops_wins(cache):
     from report.tables import _kernel_lines
 
     choice, _ = _measured(torch.bfloat16, max_context=64)
     lines = _kernel_lines(choice.describe())
-    # packed decode copies are timed where oneDNN multiplies bf16 (test_without_onednn_bf16_*)
-    ops = ["linear", "attention", "decode-attention"] + ["decode-weights"] * gemm.HAVE_ONEDNN_BF16
+    # packed decode and prompt copies are timed where oneDNN multiplies bf16
+    # (test_without_onednn_bf16_*)
+    ops = (["linear", "attention", "decode-attention"]
+           + ["decode-weights", "prompt-weights"] * gemm.HAVE_ONEDNN_BF16)
     assert [line.split(" ", 1)[0] for line in lines] == ops
     for line, op in zip(lines, ops):
         picks = [p for p in choice.picks if p.op == op]
         counts = {k: sum(p.kernel == k for p in picks) for k in {p.kernel for p in picks}}
         assert line.endswith(", ".join(f"{k} fastest in {n} of {len(picks)} shape/row cases"
                                        for k, n in sorted(counts.items())))
-    assert len(_kernel_lines(_measured(torch.float32, max_context=64)[0].describe())) == 3
+    float32_lines = _kernel_lines(_measured(torch.float32, max_context=64)[0].describe())
+    assert [line.split(" ", 1)[0] for line in float32_lines] == [
+        "linear", "attention", "decode-attention", *["prompt-weights"] * gemm.HAVE_ONEDNN]
 
 
 def _calls_of_the_pick(monkeypatch, tiny_model_dir, kernel: str, prompts: list[list[int]],
@@ -340,9 +453,11 @@ def test_bf16_decode_reads_packed_copies_where_they_won(tiny_model_dir, cache, m
     path = str(tiny_model_dir("llama"))
     prompts = [[5, 9, 2, 7, 11, 3, 8, 1] * 3, [4, 4, 6]]
     packed_products = []
-    low_precision = gemm._low_precision  # where products with a packed weight go
-    monkeypatch.setattr(gemm, "_low_precision",
-                        lambda x, w, b: packed_products.append(len(x)) or low_precision(x, w, b))
+    onednn_only = gemm._onednn_only  # where products with a packed weight go
+    monkeypatch.setattr(gemm, "_onednn_only",
+                        lambda x, w, b: packed_products.append(len(x)) or onednn_only(x, w, b))
+    monkeypatch.setattr(kc, "_time_prompt_copies",  # prompts keep the plain weights here
+                        lambda plain, weights, rows: {"plain": 1e-3, "packed": 2e-3})
     outs, infos, prompt_logits, reads = {}, {}, {}, {}
     for choice in ("measure", "fixed"):  # eager steps: decode graphs read no packed copies
         with LLM(path, dtype="bfloat16", kernel_choice=choice, max_num_batched_tokens=64,

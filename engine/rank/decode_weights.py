@@ -23,7 +23,7 @@ import copy
 import torch
 from torch import nn
 
-from engine.rank.gemm import pack_for_one_row
+from engine.rank.gemm import pack_for_rows
 from parallel.comm import TensorGroup
 from parallel.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear
 
@@ -49,5 +49,5 @@ def decode_view(model: nn.Module, tp: TensorGroup, dtype: torch.dtype, packed: b
             nbytes += low.numel() * low.element_size()
             # the registered parameter itself is replaced: a tied LM head keeps the embedding's
             # float32 rows for lookups while its products read the copy
-            module._parameters["weight"] = pack_for_one_row(low) if packed else low
+            module._parameters["weight"] = pack_for_rows(low, 1) if packed else low
     return view, nbytes

@@ -37,17 +37,22 @@ def _onednn_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and weight.is_contiguous() and x.dtype == weight.dtype and x.dim() == 2)
 
 
-def _low_precision(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """A float32 input against bfloat16 weights (engine.rank.decode_weights; oneDNN-packed
-    when eager): the product runs in bf16 with float32 accumulation, or, in a graph of at most
-    MATVEC_ROWS fixed rows, as a float32 multiply-and-sum reading the bf16 weight; its result
-    and the bias are float32."""
-    if torch.compiler.is_compiling():
-        if few_fixed_rows(x):
+def _onednn_only(x: torch.Tensor, weight: torch.Tensor,
+                 bias: torch.Tensor | None) -> torch.Tensor:
+    """A weight only oneDNN reads: packed in its own layout (engine.rank.decode_weights), or
+    bfloat16 against a float32 input (decode_dtype copies). A packed weight of x's dtype is
+    multiplied as it is. A float32 input against bf16 weights runs in bf16 with float32
+    accumulation, or, in a graph of at most MATVEC_ROWS fixed rows, as a float32
+    multiply-and-sum reading the (plain) bf16 weight; its result and the bias are float32."""
+    compiling = torch.compiler.is_compiling()
+    if x.dtype == weight.dtype:
+        return (onednn_linear if compiling else eager_onednn_linear)(x, weight, bias)
+    if compiling:
+        if few_fixed_rows(x) and not weight.is_mkldnn:
             return matvec(x, weight, bias)
         y = onednn_linear(x.to(weight.dtype), weight, None)
     else:
-        y = torch.ops.mkldnn._linear_pointwise(x.to(weight.dtype), weight, None, "none", [], "")
+        y = eager_onednn_linear(x.to(weight.dtype), weight, None)
     y = y.to(x.dtype)
     return y if bias is None else y + bias
 
@@ -76,15 +81,66 @@ def matvec(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     return (y if bias is None else y + bias.float()).to(x.dtype)
 
 
-def _onednn_linear(x: torch.Tensor, weight: torch.Tensor,
-                   bias: torch.Tensor | None) -> torch.Tensor:
+class PromptCopies:
+    """Copies of weights packed by oneDNN for a prompt's rows, which products of more than
+    PROMPT_COPY_ROWS rows through oneDNN read instead of the weight (made where timed faster:
+    engine.rank.kernel_choice). oneDNN reorders a plain weight into its blocked layout inside
+    every product; a copy packed once skips that: 3 % of SmolLM2's products' time at 512
+    float32 rows and 10 % in bf16 on the AVX512-BF16 EPYC (2 threads; `.venv/bin/python -m
+    bench.cpu_ops`). A copy costs the weight's bytes again.
+
+    Found by the weight they copy, since a compiled graph hands its ops the weight tensors (an
+    opaque oneDNN tensor cannot be a kept graph's input: its guards are not serializable). An
+    entry holds the weight itself, so no other tensor can take its address while the entry
+    lives, and the weight's version: a weight written in place no longer finds its copy."""
+
+    def __init__(self) -> None:
+        self._entries: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
+
+    def add(self, weights: list[torch.Tensor], rows: int) -> int:
+        """Pack each weight for products of about `rows` rows; the copies' bytes."""
+        nbytes = 0
+        for weight in weights:
+            if weight.is_inference():  # no version to tell a weight written since
+                continue
+            packed = pack_for_rows(weight.detach(), rows)
+            self._entries[weight.data_ptr()] = (weight, weight._version, packed)
+            nbytes += weight.nbytes
+        return nbytes
+
+    def remove(self, addresses: list[int]) -> None:
+        for address in addresses:
+            self._entries.pop(address, None)
+
+    def find(self, weight: torch.Tensor) -> torch.Tensor:
+        """The weight's packed copy, or the weight where it has none (or was written since)."""
+        entry = self._entries.get(weight.data_ptr())
+        if entry is None:
+            return weight
+        plain, version, packed = entry
+        same = (plain.shape == weight.shape and plain.dtype == weight.dtype
+                and plain.stride() == weight.stride() and version == weight._version)
+        return packed if same else weight
+
+
+PROMPT_COPIES = PromptCopies()
+PROMPT_COPY_ROWS = 16  # products of at most this many rows (decode steps) read the plain weight
+
+
+def eager_onednn_linear(x: torch.Tensor, weight: torch.Tensor,
+                        bias: torch.Tensor | None = None) -> torch.Tensor:
+    """oneDNN's inner product called directly (the custom-op wrapper costs ~10 us, 120 times a
+    decode step), reading the weight's prompt copy for more than PROMPT_COPY_ROWS rows where
+    it has one. x: 2-D; weight: contiguous (or packed), x's dtype, float32 or bfloat16."""
+    if x.shape[0] > PROMPT_COPY_ROWS and not weight.is_mkldnn:
+        weight = PROMPT_COPIES.find(weight)
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
 # The oneDNN inner product as an opaque op, for graphs being compiled: inductor lowers the raw
 # oneDNN op only for weights it froze itself, and our weights are inputs.
 onednn_linear = graph_op.define(
-    "onednn_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor", _onednn_linear,
+    "onednn_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor", eager_onednn_linear,
     lambda x, weight, bias: x.new_empty(x.shape[0], weight.shape[0]))
 
 
@@ -96,7 +152,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight,
         return linear(x, weight.dequantized(), bias)  # a prompt's rows: quantized.KERNEL_ROWS
     if weight.is_mkldnn or (weight.dtype == torch.bfloat16 and x.dtype == torch.float32
                             and weight.device.type == "cpu" and HAVE_ONEDNN_BF16):
-        return _low_precision(x, weight, bias)
+        return _onednn_only(x, weight, bias)
     compiling = torch.compiler.is_compiling()
     if (compiling and weight.device.type == "cpu" and x.dtype == weight.dtype
             and few_fixed_rows(x)):
@@ -108,14 +164,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight,
     return eager_onednn_linear(x, weight, bias)
 
 
-def pack_for_one_row(weight: torch.Tensor) -> torch.Tensor:
-    """The weight reordered into oneDNN's own layout for products of one row: an opaque tensor
-    that only oneDNN's inner product reads (`linear` sends such weights there)."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight, 1)
-
-
-def eager_onednn_linear(x: torch.Tensor, weight: torch.Tensor,
-                        bias: torch.Tensor | None = None) -> torch.Tensor:
-    """oneDNN's inner product called directly (eager only): the custom-op wrapper costs ~10 us,
-    120 times a decode step. x: 2-D; weight: contiguous, x's dtype, float32 or bfloat16."""
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+def pack_for_rows(weight: torch.Tensor, rows: int) -> torch.Tensor:
+    """The weight reordered into oneDNN's own layout for products of about `rows` rows: an
+    opaque tensor that only oneDNN's inner product reads (`linear` sends such weights there).
+    A plain weight is reordered by every product (into this layout or its like)."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight, rows)

@@ -67,6 +67,12 @@ TIMED_DECODE_LAYERS = 8  # layers in one timed graph: its call's own cost shared
 # another kernel replaces the built-in one only when at least this much faster: timings on a
 # shared machine jitter by more than the gaps between close candidates
 MARGIN = 1.10
+# Prompts read copies of the projections packed by oneDNN (engine.rank.decode_weights) where the
+# sum of one product per shape, at PROMPT_COPY_ROWS rows, timed this much faster packed: the
+# gain was 3 % in float32 and 10 % in bf16 on the AVX512-BF16 EPYC, below MARGIN, and a wrong
+# pick costs a copy's memory and a step a few % slower, no wrong answer
+PROMPT_COPY_ROWS = 512
+PROMPT_COPY_MARGIN = 1.02
 
 
 def linear_kernels(dtype: torch.dtype, rows: int) -> dict[str, Callable]:
@@ -184,19 +190,20 @@ def fastest(candidates: dict[str, Callable[[], object]], min_rounds: int = 5,
 class Pick:
     """One decision: the op, the shape it covers, each candidate's time, and the winner."""
 
-    op: str  # "linear", "attention", "decode-attention", "decode-weights", "graph-..."
+    op: str  # "linear", "attention", "decode-attention", "decode-weights", "graph-...", ...
     shape: tuple[int, ...]  # a weight's (out, in), or attention's (heads, kv heads, head dim)
     rows: int  # the row count (tokens; keys for a decode attention) timed: the top of its bucket
     built_in: str  # the kernel run without measuring
     seconds: dict[str, float] = field(default_factory=dict)
     from_disk: bool = False
+    margin: float = MARGIN
 
     @property
     def kernel(self) -> str:
-        """The fastest, unless the built-in kernel is within MARGIN of it."""
+        """The fastest, unless the built-in kernel is within `margin` of it."""
         best = min(self.seconds, key=self.seconds.get)
         kept = self.seconds.get(self.built_in, float("inf"))
-        return self.built_in if kept <= self.seconds[best] * MARGIN else best
+        return self.built_in if kept <= self.seconds[best] * self.margin else best
 
     def describe(self) -> str:
         times = ", ".join(f"{k} {s * 1e3:.3g} ms" for k, s in sorted(self.seconds.items()))
@@ -221,6 +228,10 @@ class KernelChoice:
     _top_context_bucket: int = 0  # the same for a decode step's context length
     # weight shapes whose decode steps read a packed copy (DECODE_COPY_DTYPES); empty: none
     packed_decode_shapes: set[tuple[int, int]] = field(default_factory=set)
+    # weight shapes whose prompt steps read a copy packed for prompt_copy_rows rows (the rank
+    # makes them: engine.rank.gemm.PromptCopies); empty: none
+    packed_prompt_shapes: set[tuple[int, int]] = field(default_factory=set)
+    prompt_copy_rows: int = PROMPT_COPY_ROWS
     # compile=True: a graph's products of at most gemm.MATVEC_ROWS fixed rows call torch's
     # matmul instead of the multiply-and-sum, when timed faster in a graph
     graph_rows_call_torch: bool = False
@@ -300,6 +311,7 @@ class KernelChoice:
             self._attention[(self.dtype, bucket)] = kernels[pick.kernel]
         self._choose_decode_attention(store, heads, max_context)
         self._choose_decode_copies(store, weights)
+        self._choose_prompt_copies(store, weights, max_tokens, lm_head_shape)
         store.save()
 
     def choose_graph_rows(self, weights: list[torch.Tensor]) -> None:
@@ -415,10 +427,37 @@ class KernelChoice:
             candidates = {"plain": self._linear[(*shape, 0)], "packed": gemm.eager_onednn_linear}
             pick = store.get_or_time(
                 Pick("decode-weights", shape, 1, "plain"), self.dtype, candidates,
-                lambda: _time_linear(candidates, weight, 1, prepare={"packed": gemm.pack_for_one_row}))
+                lambda: _time_linear(candidates, weight, 1,
+                                     prepare={"packed": partial(gemm.pack_for_rows, rows=1)}))
             self.picks.append(pick)
             if pick.kernel == "packed":
                 self.packed_decode_shapes.add(shape)
+
+    def _choose_prompt_copies(self, store: "TimingStore", weights: list[torch.Tensor],
+                              max_tokens: int, lm_head_shape: tuple[int, ...] | None) -> None:
+        """Time one product of a prompt's rows with each projection shape (the LM head's
+        aside: prompts sample few rows) as the picks run it on the plain weights, and through
+        oneDNN on copies packed for those rows. Where packed wins, `packed_prompt_shapes` says
+        which weights the rank copies (engine.rank.gemm.PromptCopies), and their products of
+        more than gemm.PROMPT_COPY_ROWS rows go to oneDNN, which reads the copies."""
+        shapes = {s: w for s, w in one_per_shape(weights).items() if s != lm_head_shape}
+        rows = min(PROMPT_COPY_ROWS, max_tokens)
+        if (self.dtype not in (torch.float32, torch.bfloat16) or not gemm.onednn_runs(self.dtype)
+                or not shapes or rows <= gemm.PROMPT_COPY_ROWS):
+            return
+        plain = {s: self._linear[(*s, min(row_bucket(rows), self._top_bucket))] for s in shapes}
+        pick = store.get_or_time(
+            Pick("prompt-weights", tuple(sorted(shapes)), rows, "plain",
+                 margin=PROMPT_COPY_MARGIN), self.dtype, dict.fromkeys(("plain", "packed")),
+            lambda: _time_prompt_copies(plain, shapes, rows))
+        self.picks.append(pick)
+        if pick.kernel != "packed":
+            return
+        self.packed_prompt_shapes, self.prompt_copy_rows = set(shapes), rows
+        first = row_bucket(gemm.PROMPT_COPY_ROWS + 1)
+        for shape in shapes:
+            for bucket in range(first, self._top_bucket + 1):
+                self._linear[(*shape, bucket)] = gemm.eager_onednn_linear
 
     def applied_to(self, backend: Backend) -> Backend:
         """`backend` with its projections, and the torch backend's attention (prompt and decode
@@ -447,6 +486,18 @@ def _time_linear(kernels: dict[str, Callable], weight: torch.Tensor, rows: int,
     seconds = fastest({name: (lambda k=k, ws=read[name]: [k(x, w, None) for w in ws])
                        for name, k in kernels.items()})
     return {name: s / len(copies) for name, s in seconds.items()}
+
+
+def _time_prompt_copies(plain: dict[tuple[int, ...], Callable],
+                        weights: dict[tuple[int, ...], torch.Tensor],
+                        rows: int) -> dict[str, float]:
+    """Seconds for one product of `rows` rows with each weight: its `plain` kernel on the
+    weight as it is ("plain"), and oneDNN's on a copy packed for `rows` rows ("packed")."""
+    packed = {s: gemm.pack_for_rows(w, rows) for s, w in weights.items()}
+    xs = {s: torch.randn(rows, w.shape[1], dtype=w.dtype) for s, w in weights.items()}
+    return fastest({
+        "plain": lambda: [plain[s](xs[s], w, None) for s, w in weights.items()],
+        "packed": lambda: [gemm.eager_onednn_linear(xs[s], w) for s, w in packed.items()]})
 
 
 def _time_step(kind: str, candidates: dict[str, Callable[[], object]],

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import time
+import weakref
 from functools import partial
 
 import torch
@@ -21,6 +22,7 @@ from engine.rank.backend import select_backend
 from engine.rank.compiled import DECODE_BUCKETS, CompiledModel
 from engine.rank.context_parallel import ContextParallelSteps, context_parallel_backend
 from engine.rank.decode_weights import decode_view
+from engine.rank import gemm
 from engine.rank.host_memory import keep_freed_memory
 from engine.rank.kernels.launch_config import tuning_steps
 from engine.rank.kernel_choice import (STREAMED_ROWS, KernelChoice, machine_key,
@@ -78,6 +80,7 @@ class Worker:
         self.load_s = time.perf_counter() - started
         self.kernel_choice_s = self._measure_kernels() if plan.measure_kernels else 0.0
         self.decode_model, self.decode_bytes = self._decode_view()
+        self.prompt_copy_bytes = self._make_prompt_copies()
         self.cache = KVCache(plan.model.num_layers, plan.num_blocks, plan.block_size,
                              shard.heads.num_kv_heads, plan.model.head_dim, plan.dtype, self.device)
         self.kv_head_of_q = mapping = shard.heads.kv_head_of_q_head()
@@ -138,6 +141,17 @@ class Worker:
             return decode_view(self.model, self.tp, plan.dtype,
                                shapes=self.kernels.packed_decode_shapes)
         return None, 0
+
+    def _make_prompt_copies(self) -> int:
+        """Packed copies of the projections whose shapes KernelChoice timed faster so for a
+        prompt's rows (engine.rank.gemm.PromptCopies), dropped with the model; their bytes."""
+        shapes, head = self.kernels.packed_prompt_shapes, self.model.lm_head.weight
+        weights = [w for w in projection_weights(self.model)
+                   if tuple(w.shape) in shapes and w is not head]
+        if not weights:
+            return 0
+        weakref.finalize(self.model, gemm.PROMPT_COPIES.remove, [w.data_ptr() for w in weights])
+        return gemm.PROMPT_COPIES.add(weights, self.kernels.prompt_copy_rows)
 
     def _warm_up(self) -> float:
         """Compile (compile=True) and tune (Triton on a GPU) at start-up; seconds taken."""
@@ -278,7 +292,7 @@ class Worker:
         heads = self.shard.heads
         return RankInfo(self.rank, heads.q_heads, heads.kv_heads, self.shard.ffn, self.shard.vocab,
                         sum(p.numel() * p.element_size() for p in self.model.parameters())
-                        + self.decode_bytes + self.quantized_bytes,
+                        + self.decode_bytes + self.prompt_copy_bytes + self.quantized_bytes,
                         self.plan.kv_bytes_per_token(heads.num_kv_heads), self.cache.num_blocks,
                         self.cache.nbytes, os.getpid(),
                         self.compiled is not None and self.compiled.usable, self.warmup_s,
