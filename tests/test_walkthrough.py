@@ -15,7 +15,8 @@ HW = Hardware("test-roof", peak_flops=1e11, peak_bytes=1e10)  # ridge at 10 FLOP
 def hand_count(cfg: dict, tokens: int, tp: int = 1, elem: int = 4) -> tuple[int, int]:
     """FLOPs and bytes of a prefill of `tokens` tokens with no cached prefix, summed over ranks,
     written out from the conventions in engine/observe/costs.py: 2 FLOPs per multiply-add; element-wise
-    FLOPs per output element: RMSNorm 4 (+1 with the residual add), RoPE 3, SiLU·mul 4."""
+    FLOPs per output element: RMSNorm 4 (+1 with the residual add), RoPE 3, SiLU·mul 4. The last
+    layer's post-attention norm and MLP run the sampled row only (a prompt of 2 or more)."""
     T, d, L, hd = tokens, cfg["hidden"], cfg["layers"], cfg["head_dim"]
     V, ffn = cfg["vocab"], cfg["ffn"]
     flops = nbytes = 0
@@ -27,9 +28,10 @@ def hand_count(cfg: dict, tokens: int, tp: int = 1, elem: int = 4) -> tuple[int,
         qkv = (q + 2 * kv) * hd
         nbytes += 4 * T + 2 * T * d * elem  # embedding: int32 ids, rows read, rows written
         for layer in range(L):
+            m = 1 if layer == L - 1 and T >= 2 else T  # the rows of its post-attention part
             norm_flops, norm_bytes = (4, 2) if layer == 0 else (5, 4)  # layer 0 has no residual yet
-            flops += norm_flops * T * d + 5 * T * d  # input norm, post-attention norm
-            nbytes += (norm_bytes * T * d + d) * elem + (4 * T * d + d) * elem
+            flops += norm_flops * T * d + 5 * m * d  # input norm, post-attention norm
+            nbytes += (norm_bytes * T * d + d) * elem + (4 * m * d + d) * elem
             flops += 2 * T * d * qkv  # qkv
             nbytes += (T * d + d * qkv + T * qkv) * elem + (qkv * elem if cfg["bias"] else 0)
             flops += 3 * T * (q + kv) * hd  # rope
@@ -39,9 +41,9 @@ def hand_count(cfg: dict, tokens: int, tp: int = 1, elem: int = 4) -> tuple[int,
             nbytes += 2 * T * q * hd * elem + 2 * T * kv * hd * elem
             flops += 2 * T * q * hd * d  # o_proj
             nbytes += (T * q * hd + q * hd * d + T * d) * elem
-            flops += 2 * T * d * 2 * f + 4 * T * f + 2 * T * f * d  # gate/up, silu·mul, down
-            nbytes += (T * d + 2 * f * d + 2 * T * f) * elem + 3 * T * f * elem
-            nbytes += (T * f + f * d + T * d) * elem
+            flops += 2 * m * d * 2 * f + 4 * m * f + 2 * m * f * d  # gate/up, silu·mul, down
+            nbytes += (m * d + 2 * f * d + 2 * m * f) * elem + 3 * m * f * elem
+            nbytes += (m * f + f * d + m * d) * elem
         flops += 5 * d + 2 * d * v  # final norm (one row, with residual), LM head on it
         nbytes += (4 * d + d) * elem + (d + d * v + v) * elem
     flops += V  # sampling, on rank 0 only
@@ -123,9 +125,10 @@ def test_tp2_shapes_follow_the_head_partition(ray_cluster, tiny_model_dir):
 
 
 def _all_reduce_flops(cfg: dict, tokens: int) -> int:
-    """Two all-reduces of [T, d] per layer plus the embedding's; each rank adds half the
-    elements at TP=2, so both ranks together add T·d per all-reduce."""
-    return (2 * cfg["layers"] + 1) * tokens * cfg["hidden"]
+    """Two all-reduces of [T, d] per layer plus the embedding's, the last layer's MLP's of the
+    sampled row only; each rank adds half the elements at TP=2, so both ranks together add T·d
+    per all-reduce."""
+    return (2 * cfg["layers"] * tokens + 1) * cfg["hidden"]
 
 
 def test_app_writes_json_trace_and_roofline(tmp_path, tiny_model_dir):

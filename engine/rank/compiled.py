@@ -46,6 +46,7 @@ from engine.rank.kept_graphs import KeptGraph, graph_file
 from engine.rank.kernel_choice import (cache_dir, keep_compiled_code, machine_key, read_whole,
                                       write_whole)
 from engine.rank.kv_cache import KVCache
+from engine.rank.model import last_layer
 from engine.rank.padded_decode import pad_decode_step
 from engine.rank.step_context import StepContext
 from engine.rank.gemm import MATVEC_ROWS
@@ -236,8 +237,9 @@ def own_code(fn: Callable, setup: str, rows: int | None = None) -> Callable:
 
 def _run_layers(layer_graph: Callable, model: nn.Module,
                 ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
-    """Embed eagerly, then every layer through `layer_graph`. The first layer gets a zero
-    residual rather than None (x + 0 is x), so it takes the same graph as the others."""
+    """Embed eagerly, then every layer through `layer_graph` (the last one eagerly where the
+    step runs its MLP over ctx.last_layer_rows only). The first layer gets a zero residual
+    rather than None (x + 0 is x), so it takes the same graph as the others."""
     x = model.embed_tokens(ctx.token_ids)
     residual = torch.zeros_like(x)
     # a layer's index is an int attribute of its modules: symbolic from the first call, so
@@ -245,9 +247,12 @@ def _run_layers(layer_graph: Callable, model: nn.Module,
     # layer 0's graph and learn the index varies only at layer 1: a graph more per kind, ~1 s
     # of every compiled start-up even with inductor's code cached)
     with torch.compiler.config.patch(dynamic_sources=LAYER_INDEX_SOURCE):
-        for layer in model.layers:
+        for layer in model.layers[:-1]:
             x, residual = layer_graph(layer, x, residual, ctx)
-    return x, residual
+        if ctx.last_layer_rows is None:
+            return layer_graph(model.layers[-1], x, residual, ctx)
+    # its MLP over a few rows: eagerly (a graph of its own would cost start-up time)
+    return last_layer(model.layers[-1], x, residual, ctx)
 
 
 def _mark_rows(layer: nn.Module, x: torch.Tensor, residual: torch.Tensor,

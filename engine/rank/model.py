@@ -120,6 +120,17 @@ class DecoderLayer(nn.Module):
         self.mlp.load(read, f"{prefix}.mlp")
 
 
+def last_layer(layer: DecoderLayer, x: torch.Tensor, residual: torch.Tensor | None,
+               ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
+    """The last layer, its MLP over ctx.last_layer_rows only where the step sets them: the
+    output of (hidden, residual) has those rows, in their order."""
+    rows = ctx.last_layer_rows
+    if rows is None:
+        return layer(x, residual, ctx)
+    x, residual = layer.attention_part(x, residual, ctx)
+    return layer.mlp_part(x[rows], residual[rows])
+
+
 class CausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, shard: ShardPlan, max_positions: int,
                  backend: Backend = TORCH, tp: TensorGroup | None = None):
@@ -138,16 +149,16 @@ class CausalLM(nn.Module):
 
     def forward(self, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
         """Every row's last-layer output and residual [T, d], before the final norm (scoring
-        reads them all; sampling only a few). Not in inference mode itself: inductor cannot
+        reads them all; sampling only a few), or those of ctx.last_layer_rows where set. Not in inference mode itself: inductor cannot
         write the KV cache (an input of the graph) in a graph traced in inference mode, so the
         runner enters it around the eager call."""
         x = self.embed_tokens(ctx.token_ids)
         if ctx.halves is not None:  # overlap_comm: two micro-batches, interleaved
             return run_halves_interleaved(self.layers, x, ctx.halves)
         residual = None
-        for layer in self.layers:
+        for layer in self.layers[:-1]:
             x, residual = layer(x, residual, ctx)
-        return x, residual
+        return last_layer(self.layers[-1], x, residual, ctx)
 
     @torch.inference_mode()
     def logits(self, x: torch.Tensor, residual: torch.Tensor,

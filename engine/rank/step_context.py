@@ -47,6 +47,9 @@ class StepContext:
     halves: tuple[StepContext, StepContext] | None = None
     graph: str = ""  # the compiled graph that runs it ("layers", "decode-4"); "" eager
     decode_weights: bool = False  # the projections read their decode_dtype copies
+    # the rows the last layer's MLP runs (a prompt step's sampled rows: nothing reads the other
+    # rows' output, and their K/V are stored before it); None: every row
+    last_layer_rows: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, slots=True)
