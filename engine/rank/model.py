@@ -149,9 +149,9 @@ class CausalLM(nn.Module):
 
     def forward(self, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
         """Every row's last-layer output and residual [T, d], before the final norm (scoring
-        reads them all; sampling only a few), or those of ctx.last_layer_rows where set. Not in inference mode itself: inductor cannot
-        write the KV cache (an input of the graph) in a graph traced in inference mode, so the
-        runner enters it around the eager call."""
+        reads them all; sampling only a few), or those of ctx.last_layer_rows where set. Not
+        in inference mode itself: inductor cannot write the KV cache (an input of the graph) in
+        a graph traced in inference mode, so the runner enters it around the eager call."""
         x = self.embed_tokens(ctx.token_ids)
         if ctx.halves is not None:  # overlap_comm: two micro-batches, interleaved
             return run_halves_interleaved(self.layers, x, ctx.halves)
