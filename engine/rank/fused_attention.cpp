@@ -169,31 +169,38 @@ void pack(const Problem<T>& p, int64_t tiles, typename Mul::Elem* kt,
     }
 }
 
-// scores of one tile -> times `scale`, masked, probabilities into P (in place where P is S);
-// rescales O and the running max/sum
+// scores of one tile -> probabilities of e^(scale (score - max)) into P (in place where P is
+// S), keys past a row's last visible one masked; rescales O and the running max/sum. The max is
+// kept in unscaled scores (scale > 0 keeps their order), so the scale costs no pass of its own.
 template <typename Mul, int D>
 void softmax_tile(float* S, int M, int64_t group, int64_t first_visible, int64_t j0, int nk,
                   float scale, float* O, float* m, float* l, typename Mul::Elem* P) {
   const int span = (nk + SCORE_VECTORS * W - 1) / (SCORE_VECTORS * W) * (SCORE_VECTORS * W);
+  vi lane;
+  for (int w = 0; w < W; ++w) lane[w] = w;
+  const vf masked = splat(-INFINITY);
   for (int r = 0; r < M; ++r) {
-    float* s = S + r * KEYS;
+    const float* s = S + r * KEYS;
     // row r's token sees keys up to first_visible + r / group
-    const int64_t visible = std::clamp<int64_t>(first_visible + r / group + 1 - j0, 0, nk);
-    if (scale != 1.f)
-      for (int j = 0; j < visible; j += W) store(s + j, load(s + j) * scale);  // past: masked
-    for (int j = visible; j < span; ++j) s[j] = -INFINITY;
-    vf mx = splat(-INFINITY);
-    for (int j = 0; j < span; j += W) { vf x = load(s + j); mx = x > mx ? x : mx; }
+    const int visible =
+        static_cast<int>(std::clamp<int64_t>(first_visible + r / group + 1 - j0, 0, nk));
+    auto score = [&](int j) {  // W scores from key j, those past `visible` masked
+      const vf x = load(s + j);
+      return j + W <= visible ? x : (lane + j < visible ? x : masked);
+    };
+    vf mx = masked;
+    for (int j = 0; j < span; j += W) { vf x = score(j); mx = x > mx ? x : mx; }
     const float mnew = std::max(m[r], hmax(mx));
     if (mnew != m[r]) {  // e^(old max - new max) scales what was summed so far (0 at first)
-      const float alpha = vexp(splat(m[r] - mnew))[0];
+      const float alpha = vexp(splat((m[r] - mnew) * scale))[0];
       l[r] *= alpha;
       for (int c = 0; c < D; c += W) store(O + r * D + c, load(O + r * D + c) * alpha);
       m[r] = mnew;
     }
-    vf sum = splat(0.f), shift = splat(mnew);
+    vf sum = splat(0.f);
+    const vf scaled = splat(scale), shift = splat(-mnew * scale);
     for (int j = 0; j < span; j += W) {
-      vf e = vexp(load(s + j) - shift);
+      vf e = vexp(score(j) * scaled + shift);
       Mul::store_p(P + r * KEYS + j, e);
       sum += e;
     }
