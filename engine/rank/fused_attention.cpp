@@ -32,13 +32,19 @@ constexpr int OUT_ROWS = 6;                       // rows of the register tile o
 
 
 // e^x for x <= 0 (shifted scores), within ~2 ulp; 0 below -87 (and for -inf, a masked key).
-// x = n ln2 + r, |r| <= ln2/2: e^r by its Taylor polynomial, 2^n by building the exponent.
+// x = n ln2 + r, |r| <= ln2/2: e^r by its Taylor polynomial, times 2^n (AVX512's scalef builds
+// it, zeroing the lanes below -87 in the same instruction; elsewhere the exponent's bits)
 inline vf vexp(vf x) {
   const vf floor_x = splat(-87.f);
-  vf clamped = x < floor_x ? floor_x : x;
-  vf t = clamped * 1.44269504088896341f;
-  vf n = __builtin_convertvector(__builtin_convertvector(t - 0.5f, vi), vf);  // round: t < 0
-  vf r = clamped - n * 0.693145751953125f - n * 1.428606765330187045e-06f;
+  const vf clamped = x < floor_x ? floor_x : x;
+#if defined(__AVX512F__)
+  const vf n = (vf)_mm512_roundscale_ps((__m512)(clamped * 1.44269504088896341f),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#else
+  const vf t = clamped * 1.44269504088896341f;
+  const vf n = __builtin_convertvector(__builtin_convertvector(t - 0.5f, vi), vf);  // t < 0
+#endif
+  const vf r = clamped - n * 0.693145751953125f - n * 1.428606765330187045e-06f;
   vf p = splat(1.9875691500e-4f);
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
@@ -46,10 +52,15 @@ inline vf vexp(vf x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
+#if defined(__AVX512F__)
+  const __mmask16 above = _mm512_cmp_ps_mask((__m512)x, (__m512)floor_x, _CMP_GT_OQ);
+  return (vf)_mm512_maskz_scalef_ps(above, (__m512)p, (__m512)n);
+#else
   vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
   vf two_n;
   std::memcpy(&two_n, &bits, sizeof two_n);
   return x <= floor_x ? splat(0.f) : p * two_n;
+#endif
 }
 
 // How the products read their operands: float32 values, or (below) bf16 pairs. `Elem` is what
