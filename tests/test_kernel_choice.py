@@ -295,6 +295,21 @@ def test_prompt_copies_are_one_pick_with_a_margin_of_their_own(cache, monkeypatc
     assert not [p for p in small.picks if p.op == "prompt-weights"] and rows == [64]
 
 
+
+@needs_onednn
+def test_prompt_copies_that_would_crowd_memory_are_not_offered(cache, monkeypatch):
+    """Copies of more than PROMPT_COPY_MEMORY of the memory available are not timed, nor made
+    however much faster they would be; within it they are."""
+    rows = _prompt_copies_timed(monkeypatch, 2.0)
+    weights = [torch.randn(out, 32) for out in (48, 64)]  # 14 KiB to copy
+    for available, offered in ((2 * 14 * 1024 - 1, False), (2 * 14 * 1024, True)):
+        monkeypatch.setattr(kc, "available_bytes", lambda: available)
+        choice = kc.KernelChoice(torch.float32)
+        choice.measure(weights, HEADS, 64)
+        assert bool([p for p in choice.picks if p.op == "prompt-weights"]) == offered
+        assert bool(choice.packed_prompt_shapes) == offered
+    assert rows == [64]
+
 @needs_onednn
 def test_a_prompt_copy_serves_its_weight_until_the_weight_is_written(monkeypatch):
     """Products of more than PROMPT_COPY_ROWS rows read the registered copy (and compute the

@@ -37,3 +37,16 @@ def keep_freed_memory() -> bool:
         return False
     return bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and \
         bool(mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD)) and bool(mallopt(_M_ARENA_MAX, 1))
+
+
+def available_bytes() -> int | None:
+    """Memory the OS could hand this process now without swapping (Linux's MemAvailable);
+    None where it does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None

@@ -39,6 +39,7 @@ from engine.rank.attention import (fixed_prompt_kernel, float32_decode_attention
                                    sdpa_attention, torch_attention)
 from engine.rank.backend import Backend
 from engine.rank.blocked_attention import blocked_causal_attention
+from engine.rank.host_memory import available_bytes
 from engine.rank.kv_cache import KVCache
 from engine.rank.padded_decode import PaddedDecode, padded_context
 from engine.rank.quantized import KERNEL_ROWS, QuantizedWeight
@@ -73,6 +74,9 @@ MARGIN = 1.10
 # pick costs a copy's memory and a step a few % slower, no wrong answer
 PROMPT_COPY_ROWS = 512
 PROMPT_COPY_MARGIN = 1.02
+# the copies are not offered where they would take more than this share of the memory the
+# machine has available at start-up (a large model's would leave too little for the rest)
+PROMPT_COPY_MEMORY = 0.5
 
 
 def linear_kernels(dtype: torch.dtype, rows: int) -> dict[str, Callable]:
@@ -444,6 +448,12 @@ class KernelChoice:
         rows = min(PROMPT_COPY_ROWS, max_tokens)
         if (self.dtype not in (torch.float32, torch.bfloat16) or not gemm.onednn_runs(self.dtype)
                 or not shapes or rows <= gemm.PROMPT_COPY_ROWS):
+            return
+        copy_bytes = sum(w.nbytes for w in weights if tuple(w.shape) in shapes)
+        available = available_bytes()
+        if available is not None and copy_bytes > PROMPT_COPY_MEMORY * available:
+            log.info("no packed prompt copies: %.1f GiB of them, %.1f GiB of memory available",
+                     copy_bytes / 2**30, available / 2**30)
             return
         plain = {s: self._linear[(*s, min(row_bucket(rows), self._top_bucket))] for s in shapes}
         pick = store.get_or_time(
