@@ -85,9 +85,10 @@ class PromptCopies:
     """Copies of weights packed by oneDNN for a prompt's rows, which products of more than
     PROMPT_COPY_ROWS rows through oneDNN read instead of the weight (made where timed faster:
     engine.rank.kernel_choice). oneDNN reorders a plain weight into its blocked layout inside
-    every product; a copy packed once skips that: 3 % of SmolLM2's products' time at 512
-    float32 rows and 10 % in bf16 on the AVX512-BF16 EPYC (2 threads; `.venv/bin/python -m
-    bench.cpu_ops`). A copy costs the weight's bytes again.
+    every product; a copy packed once skips that: 30 layers of SmolLM2's projections at 512
+    rows ran 1.24x as fast in float32 and 1.04x in bf16 on the AVX512-BF16 EPYC (2 threads;
+    `.venv/bin/python -m bench.cpu_ops`, BENCHMARKS.md session 43). A copy costs the weight's
+    bytes again.
 
     Found by the weight they copy, since a compiled graph hands its ops the weight tensors (an
     opaque oneDNN tensor cannot be a kept graph's input: its guards are not serializable). An

@@ -68,10 +68,11 @@ TIMED_DECODE_LAYERS = 8  # layers in one timed graph: its call's own cost shared
 # another kernel replaces the built-in one only when at least this much faster: timings on a
 # shared machine jitter by more than the gaps between close candidates
 MARGIN = 1.10
-# Prompts read copies of the projections packed by oneDNN (engine.rank.decode_weights) where the
-# sum of one product per shape, at PROMPT_COPY_ROWS rows, timed this much faster packed: the
-# gain was 3 % in float32 and 10 % in bf16 on the AVX512-BF16 EPYC, below MARGIN, and a wrong
-# pick costs a copy's memory and a step a few % slower, no wrong answer
+# Prompts read copies of the projections packed by oneDNN (engine.rank.gemm.PromptCopies) where
+# the sum of one product per shape, at PROMPT_COPY_ROWS rows, timed this much faster packed: a
+# warm weight gained 3-5 % on the AVX512-BF16 EPYC (the start-up timing's case; a step's cold
+# weights gain more), below MARGIN, and a wrong pick costs a copy's memory and a step a few %
+# slower, no wrong answer
 PROMPT_COPY_ROWS = 512
 PROMPT_COPY_MARGIN = 1.02
 # the copies are not offered where they would take more than this share of the memory the
