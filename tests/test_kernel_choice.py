@@ -282,16 +282,16 @@ def test_prompt_copies_are_one_pick_with_a_margin_of_their_own(cache, monkeypatc
     assert rows == [64] and pick.shape == ((48, 32), (64, 32)) and pick.rows == 64
     assert kc.PROMPT_COPY_MARGIN < 1.05 < kc.MARGIN
     assert choice.packed_prompt_shapes == ({(48, 32), (64, 32)} if packed else set())
-    prompt_bucket, decode_bucket = kc.row_bucket(64), kc.row_bucket(gemm.PROMPT_COPY_ROWS)
+    prompt_bucket, decode_bucket = kc.row_bucket(64), kc.row_bucket(gemm.PLAIN_WEIGHT_ROWS)
     for shape in ((48, 32), (64, 32)):
         reads_copies = choice._linear[(*shape, prompt_bucket)] is gemm.eager_onednn_linear
         assert reads_copies or not packed
         assert choice._linear[(*shape, decode_bucket)] is not gemm.eager_onednn_linear or (
             [p for p in choice.picks if p.op == "linear" and p.shape == shape
-             and p.rows == gemm.PROMPT_COPY_ROWS][0].kernel == "onednn")
-    # a token budget of at most PROMPT_COPY_ROWS: no prompt is long enough to gain
+             and p.rows == gemm.PLAIN_WEIGHT_ROWS][0].kernel == "onednn")
+    # a token budget of at most PLAIN_WEIGHT_ROWS: no prompt is long enough to gain
     small = kc.KernelChoice(torch.float32)
-    small.measure(weights, HEADS, gemm.PROMPT_COPY_ROWS)
+    small.measure(weights, HEADS, gemm.PLAIN_WEIGHT_ROWS)
     assert not [p for p in small.picks if p.op == "prompt-weights"] and rows == [64]
 
 
@@ -312,7 +312,7 @@ def test_prompt_copies_that_would_crowd_memory_are_not_offered(cache, monkeypatc
 
 @needs_onednn
 def test_a_prompt_copy_serves_its_weight_until_the_weight_is_written(monkeypatch):
-    """Products of more than PROMPT_COPY_ROWS rows read the registered copy (and compute the
+    """Products of more than PLAIN_WEIGHT_ROWS rows read the registered copy (and compute the
     product); a view at the weight's address, a few-row product or a weight written in place
     since read the weight itself: a stale copy would be a wrong answer."""
     copies = gemm.PromptCopies()
@@ -325,12 +325,12 @@ def test_a_prompt_copy_serves_its_weight_until_the_weight_is_written(monkeypatch
     assert copies.add([w, torch.randn(8, 8).requires_grad_(False)], 64) == w.nbytes + 256
     with torch.inference_mode():  # no version counter: never copied
         assert copies.add([torch.randn(8, 8)], 64) == 0
-    x = torch.randn(gemm.PROMPT_COPY_ROWS + 1, 32, generator=gen)
+    x = torch.randn(gemm.PLAIN_WEIGHT_ROWS + 1, 32, generator=gen)
     for weight in (w, w * 1):
         torch.testing.assert_close(gemm.eager_onednn_linear(x, weight, bias), x @ weight.t() + bias)
     assert found == [True, False]
     assert find(w[:16]) is not None and not find(w[:16]).is_mkldnn  # same address, other shape
-    gemm.eager_onednn_linear(x[:gemm.PROMPT_COPY_ROWS], w)
+    gemm.eager_onednn_linear(x[:gemm.PLAIN_WEIGHT_ROWS], w)
     assert found == [True, False]  # a decode-sized product does not look
     w.mul_(-1)
     torch.testing.assert_close(gemm.eager_onednn_linear(x, w), x @ w.t())

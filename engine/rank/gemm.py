@@ -83,7 +83,7 @@ def matvec(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
 
 class PromptCopies:
     """Copies of weights packed by oneDNN for a prompt's rows, which products of more than
-    PROMPT_COPY_ROWS rows through oneDNN read instead of the weight (made where timed faster:
+    PLAIN_WEIGHT_ROWS rows through oneDNN read instead of the weight (made where timed faster:
     engine.rank.kernel_choice). oneDNN reorders a plain weight into its blocked layout inside
     every product; a copy packed once skips that: 30 layers of SmolLM2's projections at 512
     rows ran 1.24x as fast in float32 and 1.04x in bf16 on the AVX512-BF16 EPYC (2 threads;
@@ -125,15 +125,15 @@ class PromptCopies:
 
 
 PROMPT_COPIES = PromptCopies()
-PROMPT_COPY_ROWS = 16  # products of at most this many rows (decode steps) read the plain weight
+PLAIN_WEIGHT_ROWS = 16  # products of at most this many rows (decode steps) read the plain weight
 
 
 def eager_onednn_linear(x: torch.Tensor, weight: torch.Tensor,
                         bias: torch.Tensor | None = None) -> torch.Tensor:
     """oneDNN's inner product called directly (the custom-op wrapper costs ~10 us, 120 times a
-    decode step), reading the weight's prompt copy for more than PROMPT_COPY_ROWS rows where
+    decode step), reading the weight's prompt copy for more than PLAIN_WEIGHT_ROWS rows where
     it has one. x: 2-D; weight: contiguous (or packed), x's dtype, float32 or bfloat16."""
-    if x.shape[0] > PROMPT_COPY_ROWS and not weight.is_mkldnn:
+    if x.shape[0] > PLAIN_WEIGHT_ROWS and not weight.is_mkldnn:
         weight = PROMPT_COPIES.find(weight)
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 

@@ -444,11 +444,11 @@ class KernelChoice:
         aside: prompts sample few rows) as the picks run it on the plain weights, and through
         oneDNN on copies packed for those rows. Where packed wins, `packed_prompt_shapes` says
         which weights the rank copies (engine.rank.gemm.PromptCopies), and their products of
-        more than gemm.PROMPT_COPY_ROWS rows go to oneDNN, which reads the copies."""
+        more than gemm.PLAIN_WEIGHT_ROWS rows go to oneDNN, which reads the copies."""
         shapes = {s: w for s, w in one_per_shape(weights).items() if s != lm_head_shape}
         rows = min(PROMPT_COPY_ROWS, max_tokens)
         if (self.dtype not in (torch.float32, torch.bfloat16) or not gemm.onednn_runs(self.dtype)
-                or not shapes or rows <= gemm.PROMPT_COPY_ROWS):
+                or not shapes or rows <= gemm.PLAIN_WEIGHT_ROWS):
             return
         copy_bytes = sum(w.nbytes for w in weights if tuple(w.shape) in shapes)
         available = available_bytes()
@@ -465,7 +465,7 @@ class KernelChoice:
         if pick.kernel != "packed":
             return
         self.packed_prompt_shapes, self.prompt_copy_rows = set(shapes), rows
-        first = row_bucket(gemm.PROMPT_COPY_ROWS + 1)
+        first = row_bucket(gemm.PLAIN_WEIGHT_ROWS + 1)
         for shape in shapes:
             for bucket in range(first, self._top_bucket + 1):
                 self._linear[(*shape, bucket)] = gemm.eager_onednn_linear
