@@ -38,15 +38,14 @@ def add_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--skip-profile", action="store_true")
 
 
-def save_model(root: Path, small: bool, layers: int, max_len: int, device: torch.device) -> Path:
-    """Random weights saved with save_pretrained in bf16, built on the device (a billion
-    parameters initialise in seconds there and far slower on the host)."""
+def save_model(root: Path, shape: dict, layers: int, max_len: int, device: torch.device) -> Path:
+    """A Llama of `shape` with random weights saved with save_pretrained in bf16, built on the
+    device (a billion parameters initialise in seconds there and far slower on the host)."""
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    shape = TINY if small else LLAMA3_8B_LAYERS
-    cfg = AutoConfig.for_model("llama", **shape, num_hidden_layers=2 if small else layers,
+    cfg = AutoConfig.for_model("llama", **shape, num_hidden_layers=layers,
                                max_position_embeddings=max(8192, 2 * max_len))
     torch.manual_seed(0)
     with torch.device(device):
@@ -174,9 +173,9 @@ def bench_engine(args, device: torch.device, report: dict) -> dict:
     out: dict = {}
     with tempfile.TemporaryDirectory(prefix="engine_gpu_bench_") as tmp:
         start = time.perf_counter()
-        path = str(save_model(Path(tmp), small, args.layers, max_len, device))
-        out["build_s"] = time.perf_counter() - start
         shape = TINY if small else LLAMA3_8B_LAYERS
+        path = str(save_model(Path(tmp), shape, 2 if small else args.layers, max_len, device))
+        out["build_s"] = time.perf_counter() - start
         per_token = KVCache.bytes_per_token(2 if small else args.layers,
                                             shape["num_key_value_heads"],
                                             shape["hidden_size"] // shape["num_attention_heads"],

@@ -33,10 +33,8 @@ ON_CUDA = torch.cuda.is_available()
 if not ON_CUDA:  # before the kernels import triton (bench.kernel_bench does)
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
-                 num_key_value_heads=8, vocab_size=32000, rope_theta=500000.0)
-TINY = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=512, rope_theta=10000.0)
+from bench.engine_gpu_bench import LLAMA3_8B_LAYERS as LLAMA3_8B  # noqa: E402
+from bench.engine_gpu_bench import TINY, save_model  # noqa: E402
 
 
 class Report:
@@ -63,26 +61,11 @@ def _device() -> torch.device:
 
 def _model_dir(shape: dict, layers: int, root: Path) -> str:
     """A random bf16 Llama of `shape` saved once under root (sections share it)."""
-    from bench.engine_gpu_bench import save_model
-
-    name = f"llama_h{shape['hidden_size']}_l{layers}_kv{shape['num_key_value_heads']}"
+    name = "llama_" + "_".join(f"{k}{v}" for k, v in sorted(shape.items())) + f"_l{layers}"
     path = root / name
-    if (path / "config.json").exists():
-        return str(path)
-    if shape is TINY:
-        _save_tiny(path)
-    else:
-        save_model(path, False, layers, 8192, _device())
+    if not (path / "config.json").exists():
+        save_model(path, shape, layers, 8192, _device())
     return str(path)
-
-
-def _save_tiny(path: Path) -> None:
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    cfg = AutoConfig.for_model("llama", **TINY, num_hidden_layers=2,
-                               max_position_embeddings=8192)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(path)
 
 
 def _engine(path: str, backend: str, compile_: bool, max_tokens: int):
@@ -116,23 +99,46 @@ def versions(report: Report, args) -> None:
 
 
 def tokens(report: Report, args) -> None:
+    """Each backend's log-probabilities of a prompt against float32 transformers on the same
+    weights (the check), and its 16 greedy tokens. Random weights give near-flat logits, so two
+    correct bf16 backends can pick different tokens: the tokens are shown, not judged."""
     from engine import SamplingParams
 
     path = _model_dir(TINY if args.dry_run else dict(LLAMA3_8B, vocab_size=4096), 2,
                       args.models)
     ids = torch.randint(3, 512, (48,), generator=torch.Generator().manual_seed(1)).tolist()
+    reference = _reference_logprobs(path, ids)
+    report.put("reference_spread", round(float(reference.max() - reference.min()), 4))
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    out = {}
+    out, errors = {}, {}
     for backend in ("torch", "triton"):
         llm, startup = _engine(path, backend, False, 1024)
         with llm:
             [g] = llm.generate([ids], params)
+            [scored] = llm.score([ids])
         if ON_CUDA:  # the next engine sizes its cache from the memory free then
             torch.cuda.empty_cache()
         out[backend] = g.token_ids
-        report.put(f"{backend}_tokens", {"tokens": g.token_ids, "startup_s": round(startup, 2)})
+        errors[backend] = float((torch.tensor(scored.logprobs) - reference).abs().max())
+        report.put(f"{backend}_tokens", {"tokens": g.token_ids, "startup_s": round(startup, 2),
+                                         "logprob_max_err": float(f"{errors[backend]:.3g}")})
     same = next((i for i, (a, b) in enumerate(zip(out["torch"], out["triton"])) if a != b), None)
     report.put("same_tokens", {"identical": same is None, "first_difference_at": same})
+    # Triton passes when it is as close to float32 as torch's own kernels are, give or take.
+    report.put("triton_as_close_as_torch", errors["triton"] <= 2 * errors["torch"] + 1e-3)
+
+
+def _reference_logprobs(path: str, ids: list[int]) -> torch.Tensor:
+    """log p(ids[i+1] | ids[:i+1]) from transformers in float32, on the check's device."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(_device())
+    logits = model(torch.tensor([ids], device=_device())).logits[0, :-1].float()
+    del model
+    if ON_CUDA:
+        torch.cuda.empty_cache()
+    picked = logits.log_softmax(-1).gather(-1, torch.tensor(ids[1:], device=logits.device)[:, None])
+    return picked[:, 0].cpu()
 
 
 def flash(report: Report, args) -> None:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The one prepared device check, for one H200 call under 6 minutes. Sections run in this order,
-# each under its own time limit (they add up to 350 s), every figure written to
+# The one prepared device check, for one H200 call under 9 minutes. Sections run in this order,
+# each under its own time limit (they add up to 480 s), every figure written to
 # $OUT/gpu_check.json the moment it is measured (bench/gpu_check.py), so a section cut short
 # keeps what it had and the ones after it still run:
 #   tokens           the engine's bf16 greedy tokens, torch vs Triton backend, TP=1 (same?)
@@ -77,16 +77,18 @@ main() {
         echo "gpu_check: cannot run here"
         exit 1
     fi
-    section tokens 45 PREFILL_AUTOTUNE=0  # correctness: one tile is enough
-    section flash 55
+    section tokens 60 PREFILL_AUTOTUNE=0  # correctness: one tile is enough
+    section flash 40
     section peak 10
     section engine_eager 45
-    section engine_compiled 100
+    section engine_compiled 90
     section decode 15
-    section tp2 30
-    step "kernel tests" $((40 * SCALE)) env PREFILL_AUTOTUNE=0 "$PY" -m pytest -q -p no:cacheprovider \
+    section tp2 60
+    # The TP=2 engine test starts Ray, which the device image lacks (TP=1 runs the same path).
+    step "kernel tests" $((150 * SCALE)) env PREFILL_AUTOTUNE=0 "$PY" -m pytest -q -p no:cacheprovider \
         tests/test_kernels.py tests/test_kernels_gpu_config.py tests/test_kernels_step.py \
-        tests/test_kernels_compile.py
+        tests/test_kernels_compile.py \
+        --deselect "tests/test_kernels.py::test_engine_with_triton_backend_matches_torch[2]"
     echo
     if [ ${#FAILED[@]} -eq 0 ]; then
         echo "gpu_check ($MODE): all sections passed; figures: $JSON"

@@ -14,7 +14,7 @@ from bench import gpu_check
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = (ROOT / "scripts" / "gpu_check.sh").read_text()
-DEVICE_CALL_LIMIT_S = 360  # what one call may take, start-up of the machine not counted
+DEVICE_CALL_LIMIT_S = 500  # what one call may take (600 s), less a margin; start-up not counted
 
 
 def _limits() -> list[tuple[str, int]]:
@@ -49,4 +49,7 @@ def test_sections_save_each_figure_into_one_json(tmp_path):
     report = json.loads(out.read_text())
     assert report["peak"]["matmul"]["tflops"] > 0
     assert report["tokens"]["same_tokens"] == {"identical": True, "first_difference_at": None}
+    assert report["tokens"]["triton_as_close_as_torch"] is True
+    for backend in ("torch", "triton"):  # float32 here: both as close as rounding allows
+        assert report["tokens"][f"{backend}_tokens"]["logprob_max_err"] < 1e-3
     assert len(report["tokens"]["torch_tokens"]["tokens"]) == 16

@@ -45,6 +45,8 @@ class LocalRank:
         return ["local"]
 
     def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.release_memory()
         self.worker = None
 
 

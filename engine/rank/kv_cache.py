@@ -17,6 +17,13 @@ class KVCache:
     def bytes_per_token(num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * kv_heads * head_dim * dtype.itemsize
 
+    def release(self) -> None:
+        """Give the cache's memory back now, not when the last reference to this object goes:
+        torch 2.11's compiler kept the scope of a compiled call, a step context holding this
+        cache among it, after the engine was gone (an H200's whole cache, in session 44)."""
+        self.data = self.data.new_empty((2, self.data.shape[1], 0, *self.data.shape[3:]))
+        self.num_blocks = 0
+
     @property
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size()

@@ -308,6 +308,10 @@ class Worker:
         """The digests of every weight slice this rank loaded (the driver combines them)."""
         return self.digest.slices
 
+    def release_memory(self) -> None:
+        """The rank is done: its KV cache's memory goes back at once (KVCache.release)."""
+        self.cache.release()
+
     def memory(self) -> dict:
         """This rank's resident memory (CPU) or peak allocated memory (CUDA), in bytes."""
         if self.plan.on_cuda:
