@@ -10,7 +10,7 @@ interpreted): it proves the script, not the figures.
 
 Sections, in the order the check runs them:
   versions         python, torch, Triton, the GPU (fails where no GPU is visible, unless dry run)
-  tokens           the engine's bf16 greedy tokens, torch and Triton backends, TP=1 (same tokens?)
+  tokens           bf16 prompt logprobs, torch and Triton backends, TP=1, against float32 HF
   flash            flash prefill TF/s, head dim 128, causal, 1k/8k: default tile, tuned tile, SDPA
   peak             the bf16 matmul peak, every MFU's denominator
   engine_eager     an engine of Llama-3-8B's layer shape (4 layers, random): start-up, prefill

@@ -3,7 +3,7 @@
 # each under its own time limit (they add up to 480 s), every figure written to
 # $OUT/gpu_check.json the moment it is measured (bench/gpu_check.py), so a section cut short
 # keeps what it had and the ones after it still run:
-#   tokens           the engine's bf16 greedy tokens, torch vs Triton backend, TP=1 (same?)
+#   tokens           bf16 prompt logprobs, torch and Triton backends, TP=1, against float32 HF
 #   flash            flash prefill TF/s, head dim 128, causal, 1k/8k: default vs tuned tile, SDPA
 #   peak             the bf16 matmul peak (every MFU's denominator)
 #   engine_eager     Llama-3-8B's layer shape (4 layers, random weights): start-up, prefill 1k/8k, MFU
