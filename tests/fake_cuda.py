@@ -294,6 +294,7 @@ def _cuda_patches(rec: Recorder, gpu: FakeGpu) -> dict:
         "is_available": lambda: True, "device_count": lambda: gpu.device_count,
         "set_device": set_device, "current_device": current_device,
         "synchronize": synchronize, "mem_get_info": mem_get_info,
+        "empty_cache": lambda: rec.record("cuda:empty_cache"),
         "get_device_properties": props, "get_device_name": lambda d=None: gpu.name,
         "max_memory_allocated": lambda d=None: 0, "memory_allocated": lambda d=None: 0,
         "Event": lambda **kw: _FakeEvent(rec, **kw), "Stream": lambda *a, **kw: _FakeStream(rec),

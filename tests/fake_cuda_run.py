@@ -89,6 +89,10 @@ def run_scenario(model_dir: str, rec: Recorder, backend: str, tp: int, rank: int
                     comm_exposed_s=None if result is None else result.collective_s,
                     comm_total_s=None if result is None else result.comm_total_s)
         out["steps"].append(step)
+    mark = rec.mark()
+    worker.release_memory()  # as the engine's shutdown does
+    out["release"] = {"cache_shape": list(worker.cache.data.shape),
+                      "cuda_calls": _events(rec, mark)["cuda_calls"]}
     return out
 
 

@@ -63,6 +63,15 @@ def test_kv_cache_is_sized_from_free_gpu_memory(runs, name, tiny_model_dir):
 
 
 @pytest.mark.parametrize("name", NAMES)
+def test_a_released_rank_hands_its_cache_back_to_the_driver(runs, name):
+    """Shutdown's release: no blocks left, and torch's cached blocks emptied, since the next
+    engine sizes its cache from what the driver reports free."""
+    release = _ok(runs, name)["release"]
+    assert release["cache_shape"][2] == 0
+    assert release["cuda_calls"] == ["cuda:empty_cache"]
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_steps_make_one_pinned_copy_and_no_host_sync(runs, name):
     run = _ok(runs, name)
     assert [s["name"] for s in run["steps"]] == [s[0] for s in STEPS]

@@ -309,8 +309,12 @@ class Worker:
         return self.digest.slices
 
     def release_memory(self) -> None:
-        """The rank is done: its KV cache's memory goes back at once (KVCache.release)."""
+        """The rank is done: its KV cache's memory goes back at once (KVCache.release), on a
+        GPU to the driver too: the next engine sizes its cache from the memory the driver
+        reports free, which torch's cached blocks are not."""
         self.cache.release()
+        if self.plan.on_cuda:
+            torch.cuda.empty_cache()
 
     def memory(self) -> dict:
         """This rank's resident memory (CPU) or peak allocated memory (CUDA), in bytes."""
