@@ -25,6 +25,7 @@ TINY = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_k
 GEMM = ("gemm", "cutlass", "xmma", "nvjet", "matmul", "cublas", "aten::mm", "aten::addmm",
         "aten::bmm")
 ATTENTION = ("flash", "attention", "fmha", "decode_split", "decode_merge", "sdpa")
+TOP_KERNELS = 10
 
 
 def add_args(ap: argparse.ArgumentParser) -> None:
@@ -124,7 +125,7 @@ def profile_split(llm, args, device: torch.device) -> dict:
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=acts) as prof:
         wall, _ = _timed_prefill(llm, ids, device)
-    split = {"gemm": 0.0, "attention": 0.0, "other": 0.0}
+    split, kernels = {"gemm": 0.0, "attention": 0.0, "other": 0.0}, {}
     for evt in prof.key_averages():
         on_device = cuda and evt.device_type == torch.autograd.DeviceType.CUDA
         if cuda and not on_device or (not cuda and not evt.key.startswith("aten::")):
@@ -134,10 +135,14 @@ def profile_split(llm, args, device: torch.device) -> dict:
         kind = ("gemm" if any(g in name for g in GEMM)
                 else "attention" if any(a in name for a in ATTENTION) else "other")
         split[kind] += us / 1e3
+        kernels[evt.key[:100]] = (round(us / 1e3, 3), evt.count)
     busy = sum(split.values())
     split = {k: round(v, 3) for k, v in split.items()}
+    # the costliest kernels by name: where a compiled step's time goes against an eager one's
+    top = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:TOP_KERNELS]
     return {"tokens": length, "wall_ms": wall * 1e3, **{f"{k}_ms": v for k, v in split.items()},
             "idle_ms": max(0.0, wall * 1e3 - busy),
+            "top_kernels": [{"name": n, "ms": ms, "calls": c} for n, (ms, c) in top],
             "note": "device kernel time" if cuda else "CPU aten ops (interpreted Triton is "
                                                       "Python, so it lands in idle)"}
 

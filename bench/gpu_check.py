@@ -178,6 +178,15 @@ def _engine_section(report: Report, args, compile_: bool, shape: dict) -> None:
         report.put("rank", {"compiled": info.compiled, "warmup_s": round(info.warmup_s, 2),
                             "weight_bytes": info.weight_bytes})
         _prefill_rows(report, llm, args.lengths, "")
+        report.put("profile", _profile(llm, args))
+
+
+def _profile(llm, args) -> dict:
+    """The longest prefill once more under the profiler: time by kernel class and the
+    costliest kernels (compile=True ran slower than eager on the first H200 check)."""
+    from bench.engine_gpu_bench import profile_split
+
+    return profile_split(llm, argparse.Namespace(engine_lengths=args.lengths), _device())
 
 
 def engine_eager(report: Report, args) -> None:
