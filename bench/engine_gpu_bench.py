@@ -178,10 +178,10 @@ def bench_engine(args, device: torch.device, report: dict) -> dict:
     out: dict = {}
     with tempfile.TemporaryDirectory(prefix="engine_gpu_bench_") as tmp:
         start = time.perf_counter()
-        shape = TINY if small else LLAMA3_8B_LAYERS
-        path = str(save_model(Path(tmp), shape, 2 if small else args.layers, max_len, device))
+        shape, layers = (TINY, 2) if small else (LLAMA3_8B_LAYERS, args.layers)
+        path = str(save_model(Path(tmp), shape, layers, max_len, device))
         out["build_s"] = time.perf_counter() - start
-        per_token = KVCache.bytes_per_token(2 if small else args.layers,
+        per_token = KVCache.bytes_per_token(layers,
                                             shape["num_key_value_heads"],
                                             shape["hidden_size"] // shape["num_attention_heads"],
                                             torch.bfloat16)
