@@ -196,12 +196,20 @@ def engine_compiled(report: Report, args) -> None:
     _engine_section(report, args, True, LLAMA3_8B)
 
 
+def one_rank_shape(shape: dict, tp: int) -> dict:
+    """The shape of what one rank of TP=tp computes: its share of the query and KV heads (of
+    the same head dim) and of the FFN. The hidden size stays: the head dim must be pinned, or
+    a config derives it as hidden / heads (doubling it, and leaving Q and O at full width)."""
+    head_dim = shape.get("head_dim") or shape["hidden_size"] // shape["num_attention_heads"]
+    return dict(shape, num_attention_heads=shape["num_attention_heads"] // tp,
+                num_key_value_heads=shape["num_key_value_heads"] // tp,
+                intermediate_size=shape["intermediate_size"] // tp, head_dim=head_dim)
+
+
 def tp2(report: Report, args) -> None:
     """Rank 0 of TP=2 computes on half the query/KV heads and half the FFN: a TP=1 engine of
     that shape does the same work, without the all-reduces."""
-    half = dict(LLAMA3_8B, num_attention_heads=16, num_key_value_heads=4, intermediate_size=7168,
-                hidden_size=4096)
-    _engine_section(report, args, False, half)
+    _engine_section(report, args, False, one_rank_shape(LLAMA3_8B, 2))
 
 
 def decode(report: Report, args) -> None:

@@ -82,15 +82,16 @@ def _kernel_lines(picks: list[str]) -> list[str]:
         return ["kernels: the built-in choice (kernel_choice='fixed', or not a CPU)"]
     lines = []
     # decode-weights: bf16 models only; prompt-weights: where oneDNN multiplies the dtype;
-    # graph-linear: compile=True, float32 only; graph-prompt / graph-decode: compile=True, one rank
-    for op in ("linear", "attention", "decode-attention", "decode-weights", "prompt-weights",
-               "graph-linear", "graph-prompt", "graph-decode"):
+    # int8-rows: weights="int8"/"int4"/"gguf"; graph-*: compile=True, one rank. An op this list
+    # does not know yet still gets its line, after these.
+    seen = dict.fromkeys(p.split(" ", 1)[0] for p in picks)
+    known = ("linear", "attention", "decode-attention", "decode-weights", "prompt-weights",
+             "int8-rows", "graph-linear", "graph-prompt", "graph-decode", "graph-decode-attention")
+    for op in [op for op in known if op in seen] + [op for op in seen if op not in known]:
         won: dict[str, int] = {}
-        for pick in (p for p in picks if p.startswith(op + " ")):
+        for pick in (p for p in picks if p.split(" ", 1)[0] == op):
             kernel = pick.split(": ", 1)[1].split(" ", 1)[0]
             won[kernel] = won.get(kernel, 0) + 1
-        if not won:
-            continue
         lines.append(f"{op} kernels timed here at start-up (rank 0): "
                      + ", ".join(f"{k} fastest in {n} of {sum(won.values())} shape/row cases"
                                  for k, n in sorted(won.items())))

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 from bench import gpu_check
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,3 +55,21 @@ def test_sections_save_each_figure_into_one_json(tmp_path):
     for backend in ("torch", "triton"):  # float32 here: both as close as rounding allows
         assert report["tokens"][f"{backend}_tokens"]["logprob_max_err"] < 1e-3
     assert len(report["tokens"]["torch_tokens"]["tokens"]) == 16
+
+
+def test_the_tp2_section_computes_half_of_each_layer():
+    """A layer of one TP=2 rank's shape holds half the full layer's projection weights (norms
+    aside), counted by transformers' own Llama layer. The first GPU check's half shape derived
+    its head dim from the hidden size: 256, so Q and O stayed full width."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    def projection_params(shape: dict) -> int:
+        with torch.device("meta"):
+            layer = LlamaDecoderLayer(LlamaConfig(**shape), layer_idx=0)
+        return sum(p.numel() for n, p in layer.named_parameters() if "norm" not in n)
+
+    full = gpu_check.LLAMA3_8B
+    half = gpu_check.one_rank_shape(full, 2)
+    assert 2 * projection_params(half) == projection_params(full)
+    assert half["head_dim"] == full["hidden_size"] // full["num_attention_heads"]

@@ -400,6 +400,30 @@ def test_the_walkthrough_counts_each_ops_wins(cache):
         "linear", "attention", "decode-attention", *["prompt-weights"] * gemm.HAVE_ONEDNN]
 
 
+def test_the_walkthrough_gives_every_timed_op_a_line():
+    """Ops timed only by some settings (int8-rows: quantized weights; graph-decode-attention:
+    compile=True) and ops the walkthrough does not know by name each get their line."""
+    from report.tables import _kernel_lines
+
+    def pick(op: str, shape: tuple, winner: str, loser: str) -> kc.Pick:
+        return kc.Pick(op, shape, 4, loser, {winner: 1e-3, loser: 1e-2})
+
+    picks = [pick("graph-decode-attention", (9, 3, 64), "fused", "tensor-math"),
+             pick("int8-rows", (49152, 576), "cpp", "torch"),
+             pick("int8-rows", (1536, 576), "torch", "cpp"),
+             pick("int8-rows", (576, 1536), "cpp", "torch"),
+             pick("a-future-op", (), "new", "old"),
+             pick("linear", (576, 576), "onednn", "mkl")]
+    lines = _kernel_lines([p.describe() for p in picks])
+    assert lines == [
+        "linear kernels timed here at start-up (rank 0): onednn fastest in 1 of 1 shape/row cases",
+        "int8-rows kernels timed here at start-up (rank 0): cpp fastest in 2 of 3 shape/row "
+        "cases, torch fastest in 1 of 3 shape/row cases",
+        "graph-decode-attention kernels timed here at start-up (rank 0): fused fastest in 1 of 1 "
+        "shape/row cases",
+        "a-future-op kernels timed here at start-up (rank 0): new fastest in 1 of 1 shape/row cases"]
+
+
 def _calls_of_the_pick(monkeypatch, tiny_model_dir, kernel: str, prompts: list[list[int]],
                        **settings) -> tuple[dict, dict, list[str], int]:
     """`prompts` (6 greedy tokens each) with the timed choice and with the fixed one, counting
