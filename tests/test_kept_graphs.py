@@ -5,6 +5,7 @@ cannot be read is compiled again with a warning, and every answer equals the fun
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import pytest
 import torch
@@ -100,3 +101,37 @@ def test_keys_name_the_setup_and_the_source_and_newer_code_replaces_older(tmp_pa
     KeptGraph(scaled_sum, edited)(x, w)
     # the edited engine's graph replaced its older self; setup B's is another setup's
     assert sorted(tmp_path.glob("*.bin")) == sorted([edited, other_setup])
+
+
+def test_a_graph_being_kept_never_shows_half_written(tmp_path, monkeypatch):
+    """Ranks of one setup starting together compile and keep the same graph: while one writes
+    its file, another start reading the path finds the earlier whole graph, never a part."""
+    from torch._dynamo.aot_compile import AOTCompiledFunction
+
+    path = tmp_path / "g.bin"
+    x, w = torch.randn(4, 8), torch.randn(8)
+    KeptGraph(scaled_sum, path)(x, w)
+    whole = path.read_bytes()
+    save, seen = AOTCompiledFunction.save_compiled_function, []
+
+    def save_in_two_halves(self, target):
+        if seen:  # the reader's own compile, had it needed one
+            return save(self, target)
+        save(self, target)
+        data = Path(target).read_bytes()
+        Path(target).write_bytes(data[:len(data) // 2])  # a writer halfway through
+        seen.append(path.read_bytes())
+        reader = KeptGraph(scaled_sum, path)  # another start, now
+        torch.testing.assert_close(reader(x, w), scaled_sum(x, w))
+        seen.append(reader.compiles)
+        Path(target).write_bytes(data)
+
+    monkeypatch.setattr(AOTCompiledFunction, "save_compiled_function", save_in_two_halves)
+    x64, w64 = x.double(), w.double()  # a misfit: compiled again and kept in its place
+    torch.testing.assert_close(KeptGraph(scaled_sum, path)(x64, w64), scaled_sum(x64, w64))
+    assert seen == [whole, 0]
+    monkeypatch.undo()
+    again = KeptGraph(scaled_sum, path)  # the float64 graph, whole
+    torch.testing.assert_close(again(x64, w64), scaled_sum(x64, w64))
+    assert again.compiles == 0
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_file()) == ["g.bin"]

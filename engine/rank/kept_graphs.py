@@ -17,6 +17,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import os
+import threading
 from pathlib import Path
 from typing import Callable
 
@@ -101,7 +103,16 @@ class KeptGraph:
         self.compiles += 1
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            kept.save_compiled_function(str(self.path))
+            # through a rename: ranks or engines of one setup starting together compile the
+            # same graph, and one writing in place while another writes or reads it could
+            # leave (or load) a mix of both files
+            partial = self.path.with_name(
+                f"{self.path.name}.{os.getpid()}.{threading.get_ident()}.partial")
+            try:
+                kept.save_compiled_function(str(partial))
+                os.replace(partial, self.path)
+            finally:
+                partial.unlink(missing_ok=True)
             older = self.path.stem.rsplit("-", 1)[0]  # this graph and setup, other code
             for stale in self.path.parent.glob(f"{older}-*.bin"):
                 if stale != self.path:
