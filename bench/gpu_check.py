@@ -68,7 +68,7 @@ def _model_dir(shape: dict, layers: int, root: Path) -> str:
     return str(path)
 
 
-def _engine(path: str, backend: str, compile_: bool, max_tokens: int):
+def _engine(path: str, backend: str, compile_: bool, max_tokens: int, **settings):
     """(LLM, seconds to start it: load, warm-up, compile, autotune)."""
     from engine import LLM
 
@@ -76,7 +76,7 @@ def _engine(path: str, backend: str, compile_: bool, max_tokens: int):
     llm = LLM(path, device=str(_device()), dtype="bfloat16" if ON_CUDA else "float32",
               attention_backend=backend, compile=compile_, max_num_batched_tokens=max_tokens,
               max_model_len=max_tokens, kv_cache_gb=None if ON_CUDA else 0.25,
-              step_timeout_s=600.0)
+              step_timeout_s=600.0, **settings)
     return llm, time.perf_counter() - start
 
 
@@ -169,8 +169,12 @@ def _prefill_rows(report: Report, llm, lengths: list[int], prefix: str) -> None:
 
 def _engine_section(report: Report, args, compile_: bool, shape: dict) -> None:
     path = _model_dir(TINY if args.dry_run else shape, 2 if args.dry_run else 4, args.models)
-    # the dry run's engines take the torch backend: interpreted Triton would only be slow
-    llm, startup = _engine(path, "triton" if ON_CUDA else "torch", compile_, max(args.lengths))
+    # the dry run's engines take the torch backend: interpreted Triton would only be slow.
+    # kernel_choice="fixed": a compiled engine's prompts run through its graphs, untimed
+    # against eager (the default runs them eagerly where that timed faster): the graphs'
+    # own figures, to find why they ran slower than eager on the first H200 check
+    llm, startup = _engine(path, "triton" if ON_CUDA else "torch", compile_, max(args.lengths),
+                           kernel_choice="fixed")
     report.put("startup_s", round(startup, 2))
     with llm:
         info = llm.rank_info()[0]

@@ -56,6 +56,9 @@ class EnginePlan:
     decode_dtype: torch.dtype | None = None  # weights decode steps read, if not the model's
     max_num_batched_tokens: int = 8192  # the most tokens one step holds (the scheduler's budget)
     measure_kernels: bool = False  # a CPU rank times its kernels at start-up (kernel_choice)
+    # compile=True, one rank, kernel_choice="measure": steps timed through the graphs and
+    # eagerly after the warm-up, each kind run the faster way (Worker._timed_graph_kinds)
+    time_graph_steps: bool = False
     weights: str | None = None  # "int8" | "int4" | "gguf": quantized projections (quantized.py)
 
     @property
@@ -147,7 +150,9 @@ def make_plan(cfg: EngineConfig, source: str, mc: ModelConfig) -> EnginePlan:
                       overlap_comm=cfg.overlap_comm, cp=cfg.cp,
                       decode_dtype=DTYPES.get(cfg.decode_dtype),
                       max_num_batched_tokens=cfg.max_num_batched_tokens, weights=cfg.weights,
-                      measure_kernels=cfg.kernel_choice == "measure" and cfg.device == "cpu")
+                      measure_kernels=cfg.kernel_choice == "measure" and cfg.device == "cpu",
+                      time_graph_steps=(compiles(cfg) and cfg.kernel_choice == "measure"
+                                        and cfg.tp == cfg.cp == 1))
     if cfg.weights in ("int4", "gguf"):
         check_int4_shapes(plan)
     return plan

@@ -148,6 +148,50 @@ def run_cuda_graphs(model_dir: str, rec: Recorder) -> dict:
     return out
 
 
+def run_compiled(model_dir: str, rec: Recorder, cache_dir: Path) -> dict:
+    """compile=True on one GPU, from start-up to steps: the warm-up, the decode CUDA graphs'
+    capture, then the prompt's graphs timed against eager, all by the engine's own code but
+    the compiler: torch.compile hands each function back as it is (compiling for CUDA needs a
+    GPU). The timing is a stand-in in which eager wins, so the steps after it show the pick
+    at work."""
+    from unittest import mock
+
+    from engine.config import EngineConfig
+    from engine.loading.checkpoint import open_checkpoint
+    from engine.plan import make_plan
+    from engine.rank import kernel_choice
+    from engine.rank.worker import Worker
+
+    timed = []
+
+    def eager_wins(kind: str, candidates: dict, rounds: int) -> dict[str, float]:
+        timed.append({"kind": kind, "candidates": sorted(candidates)})
+        return {"graph": 2.0, "eager": 1.0}
+
+    cfg = EngineConfig.from_kwargs(model=model_dir, device="cuda", compile=True,
+                                   attention_backend="torch", block_size=BLOCK,
+                                   max_model_len=256)
+    ckpt = open_checkpoint(model_dir)
+    with mock.patch.object(torch, "compile", lambda fn, **options: fn), \
+            mock.patch.object(kernel_choice, "_time_step", eager_wins), \
+            mock.patch.dict(os.environ, {"PREFILL_ENGINE_CACHE": str(cache_dir / "engine")}):
+        plan = make_plan(cfg, model_dir, ckpt.config)
+        worker = Worker(plan, checkpoint=ckpt)
+        kept = kernel_choice.read_whole(cache_dir / "engine" / "kernel_timings.json")
+    out = {"time_graph_steps": plan.time_graph_steps, "timed": timed,
+           "graph_steps": dict(worker.compiled.graph_steps),
+           "picks": worker.kernels.describe(), "kept_keys": sorted(kept),
+           "captured": sorted(worker.compiled.cuda_graphs.graphs), "steps": []}
+    for name, num_tokens, start, num_seqs in STEPS:
+        mark = rec.mark()
+        result = worker.execute(make_batch(num_tokens, start, num_seqs))
+        out["steps"].append({"name": name, "graph": result.graph,
+                             "syncs": len(_events(rec, mark)["syncs"]),
+                             "graph_replays": len(rec.since(mark, "cuda:graph.replay"))})
+    worker.release_memory()
+    return out
+
+
 def _process_group(tp: int, rank: int):
     """TP=2's collectives go through torch.distributed's own "fake" backend (no peer: every
     collective returns at once), so the NCCL-side code runs on device tensors; TP=1: none."""
@@ -179,6 +223,14 @@ def main(model_dir: str, cache_dir: str) -> None:
                     "traceback": traceback.format_exc()[-6000:]}
     with fake_cuda(Path(cache_dir), FakeGpu(free_bytes=FREE_BYTES)) as rec:
         results["cuda-graphs"] = run_cuda_graphs(model_dir, rec)
+    with fake_cuda(Path(cache_dir), FakeGpu(free_bytes=FREE_BYTES)) as rec:
+        try:
+            results["compiled"] = run_compiled(model_dir, rec, Path(cache_dir))
+        except Exception as e:  # noqa: BLE001
+            import traceback
+
+            results["compiled"] = {"error": f"{type(e).__name__}: {e}"[:2000],
+                                   "traceback": traceback.format_exc()[-6000:]}
     print(json.dumps(results))
 
 

@@ -163,3 +163,28 @@ def test_without_graphs_decode_runs_the_uncaptured_graph(runs):
     step = runs["cuda-graphs"]["uncaptured"]
     assert step["graph_replays"] == 0 and step["logits_shape"][0] == 2
     assert len(step["h2d"]) == 1 and step["syncs"] == []  # padded_decode's own packed copy
+
+
+def test_a_compiled_gpu_rank_runs_its_prompts_the_way_that_timed_faster(runs):
+    """compile=True on one GPU, every start-up step the engine's own but the compiler's: after
+    the warm-up and the CUDA graphs' capture, the prompt kind alone is timed through its graphs
+    and eagerly (decode steps replay CUDA graphs), at the most tokens a step may hold up to
+    GPU_GRAPH_TIMING_TOKENS, kept under a key naming the GPU. Eager won the stand-in timing:
+    prompt steps then run eagerly, decode steps still replay their graphs, none syncs."""
+    from engine.rank.worker import GPU_GRAPH_TIMING_TOKENS
+    from tests.fake_cuda import FakeGpu
+
+    run = _ok(runs, "compiled")
+    assert run["time_graph_steps"]
+    assert run["timed"] == [{"kind": "prompt", "candidates": ["eager", "graph"]}]
+    assert run["graph_steps"] == {"prompt": False, "decode": True}
+    rows = min(GPU_GRAPH_TIMING_TOKENS, 256 - 1)  # max_model_len 256, one token to sample
+    [pick] = run["picks"]
+    assert pick.startswith("graph-prompt ") and f" at {rows} rows: eager " in pick
+    [key] = run["kept_keys"]
+    assert "|graph-prompt|torch.bfloat16|" in key and f"|{FakeGpu().name}|" in key
+    assert run["captured"] == [[r, w] for r in (1, 2, 4, 8) for w in (2, 4, 8, 16)]
+    for (name, _, _, seqs), step in zip(STEPS, run["steps"]):
+        want = "" if name == "prefill" else f"decode-{1 << (seqs - 1).bit_length()}"
+        assert step["graph"] == want, (name, seqs, step)
+        assert step["graph_replays"] == (name == "decode") and step["syncs"] == 0

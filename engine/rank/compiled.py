@@ -15,8 +15,9 @@ Xeon as whole-model graphs (BENCHMARKS.md).
   so a layer is its weight reads plus little else.
 - Any other step of more than EAGER_ROWS tokens runs the layer graph with a dynamic token
   count; shorter ones (rare) run eagerly. The embedding runs eagerly: one row gather.
-- A one-rank CPU engine times each kind (prompt, decode) through its graphs and eagerly after
-  the warm-up, and runs a kind eagerly where that is faster (`graph_steps`, set by the Worker).
+- A one-rank engine times each kind (prompt, decode; a GPU's prompts only, its decode steps
+  replaying CUDA graphs) through its graphs and eagerly after the warm-up, and runs a kind
+  eagerly where that is faster (`graph_steps`, set by the Worker).
 - A CPU rank keeps each graph on disk whole (engine.rank.kept_graphs), so a later start loads
   it instead of tracing it (SmolLM2 bf16: 12 s to start, not 18-22 s, on the AMX Xeon).
 
@@ -114,8 +115,8 @@ class CompiledModel:
         # (rows, decode_weights) of the decode graphs that have run once with every guard
         # checked, i.e. compiled for every layer (_run_decode)
         self._decode_ran: set[tuple[int, bool]] = set()
-        # the step kinds that run their graphs: a CPU rank times each against eager after the
-        # warm-up and keeps the faster (Worker._choose_graph_steps)
+        # the step kinds that run their graphs: a one-rank engine times them against eager
+        # after the warm-up and keeps the faster (Worker._choose_graph_steps)
         self.graph_steps = {"prompt": True, "decode": True}
 
         # dynamo learns which sizes and floats vary per code name (its automatic-dynamic

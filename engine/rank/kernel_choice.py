@@ -391,7 +391,7 @@ class KernelChoice:
     def choose_graph_steps(self, steps: dict[str, tuple[int, Callable[[bool], object]]],
                            model_shape: tuple[int, ...], setup: str,
                            rounds: int = 3) -> dict[str, bool]:
-        """compile=True on a CPU: each kind of step ("prompt", "decode": its row count, and a
+        """compile=True on one rank: each kind of step ("prompt", "decode": its row count, and a
         run of one through its compiled graphs (True) or eagerly) timed both ways, alternated;
         a kind keeps its graphs unless eager is faster by MARGIN. A fixed number of runs
         (`rounds`). Kept on disk like the other timings, under the model's shape and the

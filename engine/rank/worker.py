@@ -40,8 +40,11 @@ from parallel.comm import TensorGroup
 from parallel.context import make_groups
 
 # compile=True on a CPU: a prompt of this many tokens, and a decode step after this many, time
-# each kind's graphs against eager (Worker._choose_graph_steps)
+# each kind's graphs against eager (Worker._choose_graph_steps). A GPU's prompt: more tokens,
+# where a prompt's time is its matmuls, not its launches (the first H200 check: graphs 0.77x
+# and 0.82x as fast as eager at 1k and 8k tokens of Llama-3-8B's layers)
 GRAPH_TIMING_TOKENS = 256
+GPU_GRAPH_TIMING_TOKENS = 2048
 
 
 class Worker:
@@ -118,10 +121,14 @@ class Worker:
         """What this rank's compiled graphs depend on besides their code and tensor inputs,
         to keep them on disk under (engine.rank.kept_graphs); None on a GPU, whose graphs
         every start compiles."""
+        return None if self.plan.on_cuda else self._setup_key()
+
+    def _setup_key(self) -> str:
+        """The machine (the CPU, or the GPU's name) and every setting a step depends on."""
         plan = self.plan
-        if plan.on_cuda:
-            return None
-        return (f"{machine_key()}|{plan.model!r}|{self.shard!r} cp={plan.cp}|dtype={plan.dtype} "
+        where = (f"{torch.cuda.get_device_name(self.device)}|torch {torch.__version__}"
+                 if plan.on_cuda else machine_key())
+        return (f"{where}|{plan.model!r}|{self.shard!r} cp={plan.cp}|dtype={plan.dtype} "
                 f"decode_dtype={plan.decode_dtype} weights={plan.weights} backend={plan.backend} "
                 f"block={plan.block_size} max_len={plan.max_model_len} "
                 f"overlap={plan.overlap_comm} "
@@ -137,7 +144,8 @@ class Worker:
             return decode_view(self.model, self.tp, plan.decode_dtype, packed=not plan.compile)
         # with compile=True only where decode steps may run eagerly: a rank that times its
         # decode graphs against them (_choose_graph_steps)
-        if self.kernels.packed_decode_shapes and (not plan.compile or self._times_graph_steps):
+        if self.kernels.packed_decode_shapes and (not plan.compile
+                                                  or "decode" in self._timed_graph_kinds):
             return decode_view(self.model, self.tp, plan.dtype,
                                shapes=self.kernels.packed_decode_shapes)
         return None, 0
@@ -164,36 +172,41 @@ class Worker:
                   if plan.on_cuda and plan.backend == "triton" else ())
         # a one-rank CPU engine compiles the decode graph of one row, times it against eager,
         # and compiles the other buckets only if the graphs won (engine.rank.compiled)
-        timed = self._times_graph_steps
+        kinds = self._timed_graph_kinds
         seconds = warm_up(self.execute, plan.block_size, plan.max_model_len, self.compiled,
-                          tuning, DECODE_BUCKETS[:1] if timed else DECODE_BUCKETS)
+                          tuning, DECODE_BUCKETS[:1] if "decode" in kinds else DECODE_BUCKETS)
         if plan.on_cuda and self.compiled is not None and self.compiled.usable:
             start = time.perf_counter()
             self.compiled.capture_decode_graphs(self.cache, self.kv_head_of_q_device,
                                                 plan.max_model_len, self.decode_model is not None)
             seconds += time.perf_counter() - start
-        if timed and self.compiled.usable:
+        if kinds and self.compiled.usable:
             start = time.perf_counter()
-            self._choose_graph_steps()
+            self._choose_graph_steps(kinds)
             self.kernel_choice_s += time.perf_counter() - start
-            if self.compiled.graph_steps["decode"]:
+            if "decode" in kinds and self.compiled.graph_steps["decode"]:
                 seconds += warm_up(self.execute, plan.block_size, plan.max_model_len,
                                    self.compiled, (), DECODE_BUCKETS[1:])
         return seconds
 
     @property
-    def _times_graph_steps(self) -> bool:
-        """compile=True on one CPU rank: each kind of step runs its graphs or eagerly, as timed
-        after the warm-up. One rank only: ranks that chose apart would run differently padded
-        rows into the same all-reduce."""
-        plan = self.plan
-        return plan.compile and plan.measure_kernels and plan.world_size == plan.cp == 1
+    def _timed_graph_kinds(self) -> tuple[str, ...]:
+        """The kinds of step that run through their graphs or eagerly, as timed after the
+        warm-up (plan.time_graph_steps: compile=True on one rank; ranks that chose apart would
+        run differently padded rows into the same all-reduce). A CPU rank times prompts and
+        decode steps; a GPU rank its prompts: its decode steps replay CUDA graphs, whose point
+        is the launches an eager decode step makes."""
+        if not self.plan.time_graph_steps:
+            return ()
+        return ("prompt",) if self.plan.on_cuda else ("prompt", "decode")
 
-    def _choose_graph_steps(self) -> None:
-        """Time a prompt and a decode step through their graphs and eagerly; each kind keeps
-        the faster (KernelChoice.choose_graph_steps)."""
+    def _choose_graph_steps(self, kinds: tuple[str, ...]) -> None:
+        """Time a step of each kind through its graphs and eagerly; each kind keeps the faster
+        (KernelChoice.choose_graph_steps). A step returns its sampled token to the host, so on
+        a GPU too it has finished when it returns."""
         plan, compiled = self.plan, self.compiled
-        tokens = min(GRAPH_TIMING_TOKENS, plan.max_num_batched_tokens, plan.max_model_len - 1)
+        most = GPU_GRAPH_TIMING_TOKENS if plan.on_cuda else GRAPH_TIMING_TOKENS
+        tokens = min(most, plan.max_num_batched_tokens, plan.max_model_len - 1)
         context = min(GRAPH_TIMING_TOKENS, plan.max_model_len - 1)
         batches = {"prompt": warm_up_batch(tokens, 0, 1, plan.block_size),
                    "decode": warm_up_batch(1, context, 1, plan.block_size)}
@@ -202,12 +215,12 @@ class Worker:
             compiled.graph_steps[kind] = graphs
             self.execute(batches[kind])
 
-        steps = {kind: (b.num_tokens, partial(run, kind)) for kind, b in batches.items()}
+        steps = {kind: (batches[kind].num_tokens, partial(run, kind)) for kind in kinds}
         m, kernels = plan.model, self.kernels
         shape = (m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim,
                  m.intermediate_size, m.vocab_size)
         # what the graphs depend on, and what the eager steps read beside them
-        setup = (f"{self._graph_key()} context={context} "
+        setup = (f"{self._setup_key()} context={context} "
                  f"packed={sorted(kernels.packed_decode_shapes)}")
         compiled.graph_steps.update(kernels.choose_graph_steps(steps, shape, setup))
 
