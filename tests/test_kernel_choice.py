@@ -585,6 +585,18 @@ def test_graph_rows_are_timed_in_compiled_graphs(cache):
     assert half.picks == [] and not half.graph_rows_call_torch
 
 
+def test_graph_rows_timed_again_and_again_in_one_process():
+    """A process that starts several engines times a graph's one-row products at each start:
+    dynamo keeps 8 graphs per code object, and every candidate of every timing once compiled
+    one code object, so the 9th compile failed (fullgraph) and the pick silently stayed the
+    built-in (a warning said timing failed). Here 5 timings of 2 candidates, each of other
+    shapes."""
+    candidates = {"multiply-and-sum": gemm.matvec, "torch": torch.nn.functional.linear}
+    for i in range(5):
+        seconds = kc._time_in_graph(candidates, [torch.randn(16 * (i + 2), 32)])
+        assert set(seconds) == set(candidates) and min(seconds.values()) > 0
+
+
 def test_a_failed_compile_while_timing_keeps_the_built_in(cache, monkeypatch, caplog):
     def no_compiler(*args, **kwargs):
         raise RuntimeError("no C++ compiler")

@@ -518,17 +518,30 @@ def _time_step(kind: str, candidates: dict[str, Callable[[], object]],
     return fastest(candidates, min_rounds=rounds, min_seconds=0.0, max_rounds=rounds)
 
 
+def _one_row_products(kernel: Callable, xs: dict[int, torch.Tensor],
+                      weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [kernel(xs[w.shape[1]], w, None) for w in weights]
+
+
+_row_timings = itertools.count()  # each timing compiles code of its own (below)
+
+
 def _time_in_graph(kernels: dict[str, Callable], weights: list[torch.Tensor]) -> dict[str, float]:
     """Seconds for one row through copies of every weight (at least STREAMED_BYTES in all, one
     copy when the weights alone are more), each candidate compiled as one static graph, as a
     decode graph runs its projections."""
+    from engine.rank.compiled import own_code  # which imports this module
+
     keep_compiled_code()
     count = max(1, min(MAX_COPIES, STREAMED_BYTES // sum(w.nbytes for w in weights)))
     copies = [w.clone() for _ in range(count) for w in weights]
     xs = {w.shape[1]: torch.randn(1, w.shape[1], dtype=w.dtype) for w in copies}
-    graphs = {name: torch.compile(lambda k=k: [k(xs[w.shape[1]], w, None) for w in copies],
-                                  dynamic=False, fullgraph=True)
-              for name, k in kernels.items()}
+    # code of its own per candidate and timing: dynamo keeps 8 graphs per code object, and a
+    # process starting a few engines times here a few times (fullgraph: the 9th would fail)
+    timing = next(_row_timings)
+    graphs = {name: partial(torch.compile(own_code(_one_row_products, f"timing{timing}_{i}"),
+                                          dynamic=False, fullgraph=True), k, xs, copies)
+              for i, (name, k) in enumerate(kernels.items())}
     return fastest(graphs)
 
 
