@@ -229,3 +229,22 @@ def test_boundary_values_are_accepted_and_sample_their_distribution(kwargs, expe
     for tok, p in enumerate(expected):
         # 4 binomial standard errors (a false alarm rate of ~6e-5 per token); exact for p = 0 or 1
         assert abs(drawn.count(tok) / n - p) <= 4 * math.sqrt(p * (1 - p) / n), (tok, drawn.count(tok), p)
+
+
+def test_rows_with_any_nan_or_inf_are_flagged_and_sampled_safely():
+    """A NaN or an infinity anywhere in a row (of a 49152-token vocabulary: the vectorised
+    reduction's tail and body) flags that row, and only it; the others sample as they are."""
+    from engine.batch import StepResult
+    from engine.rank.sampler import Sampler, sample_into
+    from engine.rank.warmup import warm_up_batch
+
+    logits = torch.randn(5, 49152, generator=torch.Generator().manual_seed(0))
+    logits[1, 100] = float("nan")
+    logits[2, -1] = float("inf")
+    logits[3, 0] = float("-inf")
+    logits[4, 49151] = 1e38  # huge, finite
+    batch = warm_up_batch(1, 0, 5, 16)
+    result = StepResult([])
+    sample_into(Sampler(), logits, batch, result)
+    assert result.nonfinite_rows == [1, 2, 3]
+    assert result.token_ids[0] == int(logits[0].argmax()) and result.token_ids[4] == 49151
