@@ -73,8 +73,8 @@ def test_float16_falls_back():
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 def test_compiled_decode_rows(rows, dtype, tol):
     """A graph compiled for a fixed 1 or 2 rows writes the product as a multiply-and-sum
-    (inductor streams the weight once, a bf16 one widened as it reads); 3 rows and up keep
-    oneDNN where it runs the dtype. Both match float64."""
+    (inductor streams the weight once, a bf16 one widened as it reads, against bf16 rows
+    widened once); 3 rows and up keep oneDNN where it runs the dtype. Both match float64."""
     uses_onednn = rows == 3 and gemm.onednn_runs(dtype)
     torch._dynamo.reset()  # each case compiles `fn` twice: no recompile limit across cases
     gen = torch.Generator().manual_seed(rows)
@@ -93,6 +93,8 @@ def test_compiled_decode_rows(rows, dtype, tol):
     got = torch.compile(fn, dynamic=False, backend=capture)(x)
     ops = {str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"}
     assert any("onednn_linear" in op for op in ops) == uses_onednn, ops
+    # bf16 rows widened into a buffer of their own once (gemm.widened_rows says why)
+    assert any("widened_rows" in op for op in ops) == (rows < 3 and dtype == torch.bfloat16)
     assert got.dtype == dtype
     torch.testing.assert_close(got.double(), _reference(x, w, b), rtol=0, atol=tol * 20)
     inductor = torch.compile(fn, dynamic=False)(x)
