@@ -80,21 +80,22 @@ def _kernel_lines(picks: list[str]) -> list[str]:
     """How many (shape, row bucket) cases each kernel won when timed at start-up."""
     if not picks:
         return ["kernels: the built-in choice (kernel_choice='fixed', or not a CPU)"]
-    lines = []
+    won: dict[str, dict[str, int]] = {}  # op -> kernel -> cases won, ops as first seen
+    for pick in picks:
+        op, kernel = pick.split(" ", 1)[0], pick.split(": ", 1)[1].split(" ", 1)[0]
+        counts = won.setdefault(op, {})
+        counts[kernel] = counts.get(kernel, 0) + 1
     # decode-weights: bf16 models only; prompt-weights: where oneDNN multiplies the dtype;
     # int8-rows: weights="int8"/"int4"/"gguf"; graph-*: compile=True, one rank. An op this list
     # does not know yet still gets its line, after these.
-    seen = dict.fromkeys(p.split(" ", 1)[0] for p in picks)
     known = ("linear", "attention", "decode-attention", "decode-weights", "prompt-weights",
              "int8-rows", "graph-linear", "graph-prompt", "graph-decode", "graph-decode-attention")
-    for op in [op for op in known if op in seen] + [op for op in seen if op not in known]:
-        won: dict[str, int] = {}
-        for pick in (p for p in picks if p.split(" ", 1)[0] == op):
-            kernel = pick.split(": ", 1)[1].split(" ", 1)[0]
-            won[kernel] = won.get(kernel, 0) + 1
+    lines = []
+    for op in [op for op in known if op in won] + [op for op in won if op not in known]:
+        total = sum(won[op].values())
         lines.append(f"{op} kernels timed here at start-up (rank 0): "
-                     + ", ".join(f"{k} fastest in {n} of {sum(won.values())} shape/row cases"
-                                 for k, n in sorted(won.items())))
+                     + ", ".join(f"{k} fastest in {n} of {total} shape/row cases"
+                                 for k, n in sorted(won[op].items())))
     return lines
 
 

@@ -85,7 +85,7 @@ def matvec(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
 # x widened to float32 into a buffer of its own, as an opaque op: inductor fuses whatever
 # computed x (a layer's RMSNorm of x + residual) into the product's loop and computes it again
 # for every output row, loading and widening three bf16 vectors per weight vector read. With
-# bf16 rows written once, SmolLM2's compiled bf16 decode ran 64-68 tok/s against 56-61 (2
+# bf16 rows written once, SmolLM2's compiled bf16 decode ran 65-71 tok/s against 55-61 (2
 # threads of the AVX512-BF16 EPYC, three A/B pairs of 4 runs, session 45). float32 rows keep
 # the fused loop: the op's call cost more than the recomputing saved there (40 against 43).
 widened_rows = graph_op.define(

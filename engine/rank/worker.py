@@ -126,8 +126,8 @@ class Worker:
     def _setup_key(self) -> str:
         """The machine (the CPU, or the GPU's name) and every setting a step depends on."""
         plan = self.plan
-        where = (f"{torch.cuda.get_device_name(self.device)}|torch {torch.__version__}"
-                 if plan.on_cuda else machine_key())
+        # (a timing's key names the CPU and torch already: engine.rank.kernel_choice)
+        where = torch.cuda.get_device_name(self.device) if plan.on_cuda else machine_key()
         return (f"{where}|{plan.model!r}|{self.shard!r} cp={plan.cp}|dtype={plan.dtype} "
                 f"decode_dtype={plan.decode_dtype} weights={plan.weights} backend={plan.backend} "
                 f"block={plan.block_size} max_len={plan.max_model_len} "
