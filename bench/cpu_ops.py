@@ -17,17 +17,26 @@ copies packed for its rows (engine.rank.gemm.PromptCopies). Runs alternate; the 
 is kept.
 
     .venv/bin/python -m bench.cpu_ops
+    .venv/bin/python -m bench.cpu_ops --only-prompt-attention --fused-from REV
+
+`--fused-from REV` adds the fused kernel as it was at git revision REV (built here the same way)
+beside today's, for a before/after in one run.
 """
 from __future__ import annotations
 
 import argparse
+import subprocess
+import tempfile
+from pathlib import Path
 from typing import Callable
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
 
 from bench.common import machine
 from engine.rank import fused_attention, int8_rows
+from engine.rank.cpp_library import CppLibrary
 from engine.rank.blocked_attention import blocked_causal_attention
 from engine.rank import kernel_choice
 from engine.rank import gemm
@@ -123,11 +132,31 @@ def prompt_copies(rows: int, dtype: torch.dtype, repeats: int) -> dict[str, floa
     return {name: flops / s / 1e9 for name, s in t.items()}
 
 
-def attention(q_len: int, kv_len: int, dtype: torch.dtype, repeats: int) -> dict[str, float]:
+def fused_attention_at(rev: str) -> Callable[..., torch.Tensor]:
+    """fused_attention.causal_attention running the kernels as they were at git revision `rev`,
+    built here as the engine builds today's (for this CPU, in a temporary folder)."""
+    folder = Path(tempfile.mkdtemp(prefix="fused-attention-"))
+    for name in ("fused_attention.cpp", "cpu_vectors.h"):
+        shown = subprocess.run(["git", "show", f"{rev}:engine/rank/{name}"], capture_output=True,
+                               text=True, check=True, cwd=Path(__file__).resolve().parents[1])
+        (folder / name).write_text(shown.stdout)
+    then = CppLibrary(folder / "fused_attention.cpp", f"fused attention at {rev}",
+                      fused_attention.LIBRARY.signatures, "")
+    library = then.open(then.build(folder, "g++"))
+
+    def causal_attention(*args) -> torch.Tensor:
+        with mock.patch.object(fused_attention, "_kernels", lambda: library):
+            return fused_attention.causal_attention(*args)
+    return causal_attention
+
+
+def attention(q_len: int, kv_len: int, dtype: torch.dtype, repeats: int,
+              fused_then: Callable[..., torch.Tensor] | None = None) -> dict[str, float]:
     """The last q_len queries of a kv_len context (q_len < kv_len: a chunk after a prefix):
     torch's SDPA, the engine's blocked attention, compiled flex attention (inductor's CPU
     template) with a block mask of the same causal pattern, checked against SDPA, and the
-    engine's fused kernel (where it is built)."""
+    engine's fused kernel (where it is built), and as `fused_then` runs it (fused_attention_at),
+    checked against today's."""
     q = torch.randn(q_len, HEADS, HEAD_DIM, dtype=dtype)
     k, v = (torch.randn(kv_len, KV_HEADS, HEAD_DIM, dtype=dtype) for _ in range(2))
     mask = None if q_len == kv_len else (
@@ -143,6 +172,10 @@ def attention(q_len: int, kv_len: int, dtype: torch.dtype, repeats: int) -> dict
                   "blocked": lambda: blocked_causal_attention(q, k, v, HEAD_DIM ** -0.5)}
     if dtype in fused_attention.DTYPES and fused_attention.available():
         candidates["fused"] = lambda: fused_attention.causal_attention(q, k, v, HEAD_DIM ** -0.5)
+    if fused_then is not None and "fused" in candidates:
+        candidates["fused then"] = lambda: fused_then(q, k, v, HEAD_DIM ** -0.5)
+        torch.testing.assert_close(candidates["fused then"](), candidates["fused"](),
+                                   atol=tolerance, rtol=0)
     t = fastest(candidates, repeats)
     return {name: s * 1e3 for name, s in t.items()}
 
@@ -208,11 +241,20 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    ap.add_argument("--only-prompt-attention", action="store_true")
+    ap.add_argument("--fused-from", metavar="REV",
+                    help="time the fused prompt attention as it was at this git revision too")
     args = ap.parse_args()
     # the same functions compile once per shape and dtype here: more than dynamo's default 8
     # graphs of one function, past which it would run the rest eagerly, unreported
     torch._dynamo.config.recompile_limit = 64
     print(f"{machine()}; best of {args.repeats}, alternating")
+    if not args.only_prompt_attention:
+        other_ops(args)
+    prompt_attention(args)
+
+
+def other_ops(args: argparse.Namespace) -> None:
     print(f"{'projections':<24} {'F.linear GFLOP/s':>17} {'oneDNN GFLOP/s':>15} {'oneDNN / F.linear':>18}")
     for dtype in args.dtypes:
         for rows in (1, 128, 2048):
@@ -259,14 +301,21 @@ def main() -> None:
         for dtype in (d for d in args.dtypes if getattr(torch, d) in int8_rows.DTYPES):
             r = int8_lm_head(getattr(torch, dtype))
             _table_row(dtype, r["torch"], r["fused"], r["fused"] / r["torch"])
+
+
+def prompt_attention(args: argparse.Namespace) -> None:
+    then = fused_attention_at(args.fused_from) if args.fused_from else None
+    columns = f"{'fused then ms':>14} {'then / fused':>13} " if then else ""
     print(f"{'prompt attention q/kv':<24} {'SDPA ms':>9} {'blocked ms':>11} {'flex ms':>9} "
-          f"{'fused ms':>9} {'fastest':>8}")
+          f"{'fused ms':>9} {columns}{'fastest':>8}")
     for dtype in args.dtypes:
         for q_len, kv_len in ((128, 128), (512, 512), (2048, 2048), (512, 2048)):
-            r = attention(q_len, kv_len, getattr(torch, dtype), args.repeats)
+            r = attention(q_len, kv_len, getattr(torch, dtype), args.repeats, then)
+            fused = r.get("fused", float("nan"))
+            before = (f"{r['fused then']:>14.3f} {r['fused then'] / fused:>12.2f}x "
+                      if "fused then" in r else "")
             print(f"{dtype + f', {q_len}/{kv_len}':<24} {r['SDPA']:>9.3f} {r['blocked']:>11.3f} "
-                  f"{r['flex']:>9.3f} {r.get('fused', float('nan')):>9.3f} "
-                  f"{min(r, key=r.get):>8}")
+                  f"{r['flex']:>9.3f} {fused:>9.3f} {before}{min(r, key=r.get):>8}")
 
 
 if __name__ == "__main__":

@@ -62,6 +62,41 @@ def test_matches_float64(q_len, kv_len, heads, kv_heads, threads, dtype):
                                atol=TOLERANCE[dtype], rtol=0)
 
 
+def _climbing(q_len: int, kv_len: int, slope: float, dtype: torch.dtype, seed: int):
+    """q, k, v (6 query heads on 2 KV heads, d 64) whose scores climb along the keys by about
+    `slope` (after the 1/8 scale) per key: every query leans on one direction u and key j on
+    j slope u, over random noise. Falling scores (slope < 0) leave the max in the first tile."""
+    gen = torch.Generator().manual_seed(seed)
+    u = torch.nn.functional.normalize(torch.randn(64, generator=gen, dtype=torch.float64), dim=0)
+    keys = torch.randn(kv_len, 2, 64, generator=gen, dtype=torch.float64)
+    keys += torch.arange(kv_len, dtype=torch.float64)[:, None, None] * slope * u
+    q = torch.randn(q_len, 6, 64, generator=gen, dtype=torch.float64) + 8 * u
+    v = torch.randn(kv_len, 2, 64, generator=gen, dtype=torch.float64)
+    return q.to(dtype), keys.to(dtype), v.to(dtype)
+
+
+@pytest.mark.parametrize("slope", [-0.5, 0.002, 0.05, 0.5])
+@pytest.mark.parametrize("dtype", fa.DTYPES)
+def test_scores_that_climb_or_fall_along_the_keys(slope, dtype):
+    """The kernel's running max moves only when a tile's scores pass it by more than 2^8
+    (fused_attention.cpp, RESCALE_ABOVE): here scores climb by ~0.3, ~7 and ~70 powers of 2
+    per tile of 128 keys (kept, kept then moved, moved at every tile), or fall (probabilities
+    underflowing to 0 far from the first keys); the scores span up to ~1000 in all."""
+    q, k, v = _climbing(200, 600, slope, dtype, seed=int(abs(slope) * 1000))
+    out = fa.causal_attention(q, k, v, 0.125)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), causal_attention_float64(q, k, v, 0.125),
+                               atol=_climbing_tolerance(q, k, v, dtype), rtol=0)
+
+
+def _climbing_tolerance(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        dtype: torch.dtype) -> float:
+    """TOLERANCE, plus what rounding scores of this size costs: a float32 score is rounded to
+    its own size, so e^score's relative error grows with it."""
+    scores = torch.einsum("qhd,khd->qhk", q.double(), k.double().repeat_interleave(3, 1)) * 0.125
+    return TOLERANCE[dtype] + 4 * 2.0 ** -23 * float(scores.abs().max()) * float(v.abs().max())
+
+
 @pytest.mark.parametrize("d", fa.HEAD_DIMS)
 @pytest.mark.parametrize("dtype", fa.DTYPES)
 def test_every_head_size_it_is_built_for(d, dtype):
@@ -69,6 +104,27 @@ def test_every_head_size_it_is_built_for(d, dtype):
     torch.testing.assert_close(fa.causal_attention(q, k, v, d ** -0.5).double(),
                                causal_attention_float64(q, k, v, d ** -0.5),
                                atol=TOLERANCE[dtype], rtol=0)
+
+
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"),
+                    reason="this CPU cannot run code built for AVX2")
+def test_the_build_for_an_avx2_only_cpu_matches_float64(tmp_path, monkeypatch):
+    """The code an AVX2-only CPU (as our EPYC without AVX512) runs: 8-wide vectors, lanes as
+    integer vectors instead of mask registers, 2^n from exponent bits, bf16 widened. Built here
+    for that kind of CPU (-march=x86-64-v3) and run on this one: prompts (scores that climb,
+    moving the running max) and decode steps, float32 and bf16."""
+    library = fa.LIBRARY.open(fa.LIBRARY.build(tmp_path, "g++", march="x86-64-v3"))
+    monkeypatch.setattr(fa, "_kernels", lambda: library)
+    for dtype in fa.DTYPES:
+        q, k, v = _climbing(37, 300, 0.05, dtype, seed=3)
+        torch.testing.assert_close(fa.causal_attention(q, k, v, 0.125).double(),
+                                   causal_attention_float64(q, k, v, 0.125),
+                                   atol=_climbing_tolerance(q, k, v, dtype), rtol=0)
+        q, k, v, cache, slots, table, lens = _paged(3, 9, 3, 64, 16, [600, 1, 257], dtype, seed=5)
+        want_cache, want = _paged_reference(q, k, v, cache, slots, table, lens, 1, 0.125)
+        out = fa.paged_decode(q, k, v, cache, 1, slots, table, lens, 0.125)
+        assert torch.equal(cache, want_cache)
+        torch.testing.assert_close(out.double(), want, atol=TOLERANCE[dtype], rtol=0)
 
 
 def test_bf16_outputs_round_to_nearest():

@@ -21,7 +21,7 @@ from pathlib import Path
 
 log = logging.getLogger("engine")
 
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17")  # and -march: this CPU by default
 
 
 class CompilerFailed(RuntimeError):
@@ -66,35 +66,39 @@ class CppLibrary:
         error = None
         for folder in (lambda: cache_dir() / "kernels", lambda: Path(tempfile.mkdtemp())):
             try:
-                library = ctypes.CDLL(str(self.build(folder(), compiler)))
+                return self.open(self.build(folder(), compiler))
             except (OSError, subprocess.SubprocessError, RuntimeError) as e:
                 error = e
                 if isinstance(e, CompilerFailed):
                     break  # it would fail the same way in another folder
-                continue
-            for function, argtypes in self.signatures.items():
-                getattr(library, function).argtypes = argtypes
-                getattr(library, function).restype = ctypes.c_int
-            return library
         log.warning("the %s is unavailable here (%s); %s", self.name, error, self.without)
         return None
 
-    def build(self, folder: Path, compiler: str) -> Path:
+    def open(self, path: Path) -> ctypes.CDLL:
+        """The built library at `path`, loaded, its functions' argument types set."""
+        library = ctypes.CDLL(str(path))
+        for function, argtypes in self.signatures.items():
+            getattr(library, function).argtypes = argtypes
+            getattr(library, function).restype = ctypes.c_int
+        return library
+
+    def build(self, folder: Path, compiler: str, march: str = "native") -> Path:
         """The library for this source, compiler and CPU in `folder`: built once, kept, found by
-        later starts."""
+        later starts. `march`: the CPU kind it is built for (tests build other kinds' code)."""
         from engine.rank.kernel_choice import machine_key  # which imports the kernels' modules
 
         asked = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60)
         if asked.returncode != 0:
             raise CompilerFailed(f"{compiler} --version failed: {asked.stderr.strip()[-300:]}")
+        flags = (*FLAGS, f"-march={march}")
         key = hashlib.sha256("\0".join([self.source_hash(), asked.stdout, machine_key(),
-                                        *FLAGS]).encode())
+                                        *flags]).encode())
         path = folder / f"{self.source.stem}-{key.hexdigest()[:16]}.so"
         if path.exists():
             return path
         folder.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
-        done = subprocess.run([compiler, *FLAGS, str(self.source), "-o", str(partial)],
+        done = subprocess.run([compiler, *flags, str(self.source), "-o", str(partial)],
                               capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
             partial.unlink(missing_ok=True)

@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <new>
 #include <type_traits>
 #include <vector>
@@ -31,38 +32,6 @@ constexpr int OUT_ROWS = 6;                       // rows of the register tile o
 // the tile sizes above timed fastest of those tried for SmolLM2's heads on an AVX512 EPYC
 
 
-// e^x for x <= 0 (shifted scores), within ~2 ulp; 0 below -87 (and for -inf, a masked key).
-// x = n ln2 + r, |r| <= ln2/2: e^r by its Taylor polynomial, times 2^n (AVX512's scalef builds
-// it, zeroing the lanes below -87 in the same instruction; elsewhere the exponent's bits)
-inline vf vexp(vf x) {
-  const vf floor_x = splat(-87.f);
-  const vf clamped = x < floor_x ? floor_x : x;
-#if defined(__AVX512F__)
-  const vf n = (vf)_mm512_roundscale_ps((__m512)(clamped * 1.44269504088896341f),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-#else
-  const vf t = clamped * 1.44269504088896341f;
-  const vf n = __builtin_convertvector(__builtin_convertvector(t - 0.5f, vi), vf);  // t < 0
-#endif
-  const vf r = clamped - n * 0.693145751953125f - n * 1.428606765330187045e-06f;
-  vf p = splat(1.9875691500e-4f);
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-#if defined(__AVX512F__)
-  const __mmask16 above = _mm512_cmp_ps_mask((__m512)x, (__m512)floor_x, _CMP_GT_OQ);
-  return (vf)_mm512_maskz_scalef_ps(above, (__m512)p, (__m512)n);
-#else
-  vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
-  vf two_n;
-  std::memcpy(&two_n, &bits, sizeof two_n);
-  return x <= floor_x ? splat(0.f) : p * two_n;
-#endif
-}
-
 // How the products read their operands: float32 values, or (below) bf16 pairs. `Elem` is what
 // Q, K, V and the probabilities are packed as; each multiply takes STEP elements of the sum.
 struct Floats {
@@ -71,7 +40,15 @@ struct Floats {
   static Elem from(float x) { return x; }
   static Elem from(bf16 x) { return widen(x); }
   static vf load_b(const float* p) { return load(p); }
-  static vf splat_a(const float* p) { return splat(*p); }
+  static vf splat_a(const float* p) {  // a load that broadcasts, not a load then a shuffle
+#if defined(__AVX512F__)
+    return (vf)_mm512_set1_ps(*p);
+#elif defined(__AVX2__)
+    return (vf)_mm256_set1_ps(*p);
+#else
+    return splat(*p);
+#endif
+  }
   static vf fma(vf acc, vf a, vf b) { return acc + a * b; }
   static void store_p(float* p, vf e) { store(p, e); }
 };
@@ -111,7 +88,9 @@ inline int64_t packed(int64_t k, int64_t j, int64_t cols) {
 // out[i][:C W] (+)= sum over k < depth of A[i][k] B[k][:C W], for rows i < rows <= R: each
 // A element broadcast against C vectors of B's row, R x C accumulators held in registers
 template <typename Mul, int R, int C>
-inline void tile_product(const typename Mul::Elem* A, int64_t lda, int rows, int depth,
+// (always inlined: a call keeps `rows` a variable, and a test of it beside every FMA)
+__attribute__((always_inline)) inline void tile_product(
+    const typename Mul::Elem* A, int64_t lda, int rows, int depth,
                          const typename Mul::Elem* B, int64_t cols, float* out, int64_t ldo,
                          bool accumulate) {
   vf acc[R][C];
@@ -159,59 +138,128 @@ struct Problem {
   float scale;
 };
 
-// every head's K as [d][KEYS] tiles and V as [KEYS][d] tiles, packed; zero past num_k
+// every head's K as [d][KEYS] tiles and V as [KEYS][d] tiles, packed; zero past num_k. K and V
+// in loops of their own: V's rows copy as vectors (for float32; bf16 pairs interleave two rows)
 template <typename Mul, typename T, int D>
 void pack(const Problem<T>& p, int64_t tiles, typename Mul::Elem* kt,
           typename Mul::Elem* vt) {
+  using Elem = typename Mul::Elem;
 #pragma omp for collapse(2)
   for (int64_t h = 0; h < p.hkv; ++h)
     for (int64_t tile = 0; tile < tiles; ++tile) {
-      const int64_t offset = (h * tiles + tile) * D * KEYS;
-      for (int j = 0; j < KEYS; ++j) {
-        const int64_t key = tile * KEYS + j;
-        const T* k = p.k + key * p.k_stride + h * D;
-        const T* v = p.v + key * p.v_stride + h * D;
+      Elem* ko = kt + (h * tiles + tile) * D * KEYS;
+      Elem* vo = vt + (h * tiles + tile) * D * KEYS;
+      const int real = static_cast<int>(std::clamp<int64_t>(p.num_k - tile * KEYS, 0, KEYS));
+      const T* k = p.k + tile * KEYS * p.k_stride + h * D;
+      const T* v = p.v + tile * KEYS * p.v_stride + h * D;
+      for (int j = 0; j < real; ++j)
+        for (int dd = 0; dd < D; ++dd)
+          vo[packed<Mul>(j, dd, D)] = Mul::from(v[j * p.v_stride + dd]);
+      for (int dd = 0; dd < D; ++dd)
+        for (int j = 0; j < real; ++j)
+          ko[packed<Mul>(dd, j, KEYS)] = Mul::from(k[j * p.k_stride + dd]);
+      for (int j = real; j < KEYS; ++j)
         for (int dd = 0; dd < D; ++dd) {
-          const bool real = key < p.num_k;
-          kt[offset + packed<Mul>(dd, j, KEYS)] = real ? Mul::from(k[dd]) : typename Mul::Elem{};
-          vt[offset + packed<Mul>(j, dd, D)] = real ? Mul::from(v[dd]) : typename Mul::Elem{};
+          vo[packed<Mul>(j, dd, D)] = Elem{};
+          ko[packed<Mul>(dd, j, KEYS)] = Elem{};
         }
-      }
     }
 }
 
-// scores of one tile -> probabilities of e^(scale (score - max)) into P (in place where P is
-// S), keys past a row's last visible one masked; rescales O and the running max/sum. The max is
-// kept in unscaled scores (scale > 0 keeps their order), so the scale costs no pass of its own.
+// Lanes of a vector: AVX512's mask registers, or elsewhere all-ones lanes of an integer vector.
+#if defined(__AVX512F__)
+using Lanes = __mmask16;
+inline Lanes first_lanes(int n) {  // lanes 0 .. n - 1
+  return n >= W ? Lanes(0xFFFF) : Lanes((1u << std::max(n, 0)) - 1);
+}
+#else
+using Lanes = vi;
+inline Lanes first_lanes(int n) {
+  vi lane;
+  for (int w = 0; w < W; ++w) lane[w] = w;
+  return lane < n;
+}
+#endif
+
+// 2^t in the lanes kept (0 in the others), for t <= RESCALE_ABOVE (scaled scores less a running
+// max, or a row's max), within ~2 ulp:
+// t = n + f, |f| <= 1/2, 2^f by a degree-5 polynomial fitted for relative error on that range,
+// times 2^n (AVX512's scalef, which also zeroes the lanes not kept and flushes t < -149 to 0;
+// elsewhere the exponent's bits). A base-2 exp takes the log2(e) into the scale the scores
+// already get, so it costs one FMA less than e^x's Cody-Waite reduction.
+inline vf vexp2(vf t, Lanes keep) {
+#if defined(__AVX512F__)
+  const vf n =
+      (vf)_mm512_roundscale_ps((__m512)t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#else
+  t = t < -127.f ? splat(-127.f) : t;  // 2^n stays a normal float
+  // to the nearest integer: the conversion truncates toward 0
+  const vf n = __builtin_convertvector(
+      __builtin_convertvector(t + (t < 0.f ? splat(-0.5f) : splat(0.5f)), vi), vf);
+#endif
+  const vf f = t - n;
+  vf p = splat(1.327722683e-3f);
+  p = p * f + 9.675547481e-3f;
+  p = p * f + 5.550710857e-2f;
+  p = p * f + 2.402212024e-1f;
+  p = p * f + 6.931469440e-1f;
+  p = p * f + 1.000000119e+0f;
+#if defined(__AVX512F__)
+  return (vf)_mm512_maskz_scalef_ps(keep, (__m512)p, (__m512)n);
+#else
+  vi bits = (__builtin_convertvector(n, vi) + 127) << 23;
+  vf two_n;
+  std::memcpy(&two_n, &bits, sizeof two_n);
+  return keep ? p * two_n : splat(0.f);
+#endif
+}
+
+// the lane-wise max of `mx` and x's lanes kept
+inline vf max_kept(vf mx, vf x, Lanes keep) {
+#if defined(__AVX512F__)
+  return (vf)_mm512_mask_max_ps((__m512)mx, keep, (__m512)mx, (__m512)x);
+#else
+  return keep && x > mx ? x : mx;
+#endif
+}
+
+constexpr float LOG2E = 1.44269504088896341f;
+// The running max a row's probabilities are taken against moves only when a tile's scores exceed
+// it by more than this (in powers of 2): probabilities up to 2^8 lose nothing in float32 (nor in
+// bf16, whose relative precision is the same at any size), and rows rarely pay for rescaling
+// their output
+constexpr float RESCALE_ABOVE = 8.f;
+
+// scores of one tile -> probabilities e^(scale (score - m)) into P (in place where P is S),
+// keys past a row's last visible one masked, where m is the row's running max (moved only past
+// RESCALE_ABOVE, when O and the running sum are rescaled). m is kept in unscaled scores (scale > 0
+// keeps their order), so the scale costs no pass of its own.
 template <typename Mul, int D>
 void softmax_tile(float* S, int M, int64_t group, int64_t first_visible, int64_t j0, int nk,
                   float scale, float* O, float* m, float* l, typename Mul::Elem* P) {
-  const int span = (nk + SCORE_VECTORS * W - 1) / (SCORE_VECTORS * W) * (SCORE_VECTORS * W);
-  vi lane;
-  for (int w = 0; w < W; ++w) lane[w] = w;
-  const vf masked = splat(-INFINITY);
+  const int span = (nk + W - 1) / W * W;  // the scores computed
+  const float scale2 = scale * LOG2E;  // e^(scale x) = 2^(scale2 x)
   for (int r = 0; r < M; ++r) {
     const float* s = S + r * KEYS;
     // row r's token sees keys up to first_visible + r / group
     const int visible =
         static_cast<int>(std::clamp<int64_t>(first_visible + r / group + 1 - j0, 0, nk));
-    auto score = [&](int j) {  // W scores from key j, those past `visible` masked
-      const vf x = load(s + j);
-      return j + W <= visible ? x : (lane + j < visible ? x : masked);
-    };
-    vf mx = masked;
-    for (int j = 0; j < span; j += W) { vf x = score(j); mx = x > mx ? x : mx; }
-    const float mnew = std::max(m[r], hmax(mx));
-    if (mnew != m[r]) {  // e^(old max - new max) scales what was summed so far (0 at first)
-      const float alpha = vexp(splat((m[r] - mnew) * scale))[0];
+    vf mx = splat(-INFINITY);
+    for (int j = 0; j < span; j += W) mx = max_kept(mx, load(s + j), first_lanes(visible - j));
+    const float top = hmax(mx);
+    if (m[r] == -INFINITY) {  // the first tile: nothing summed yet
+      m[r] = top;
+    } else if ((top - m[r]) * scale2 > RESCALE_ABOVE) {
+      // 2^(scale2 (old max - new max)) scales what was summed so far
+      const float alpha = vexp2(splat((m[r] - top) * scale2), first_lanes(1))[0];
       l[r] *= alpha;
       for (int c = 0; c < D; c += W) store(O + r * D + c, load(O + r * D + c) * alpha);
-      m[r] = mnew;
+      m[r] = top;
     }
     vf sum = splat(0.f);
-    const vf scaled = splat(scale), shift = splat(-mnew * scale);
+    const vf scaled = splat(scale2), shift = splat(-m[r] * scale2);
     for (int j = 0; j < span; j += W) {
-      vf e = vexp(score(j) * scaled + shift);
+      const vf e = vexp2(load(s + j) * scaled + shift, first_lanes(visible - j));
       Mul::store_p(P + r * KEYS + j, e);
       sum += e;
     }
@@ -253,20 +301,24 @@ void attend_unit(const Problem<T>& p, const typename Mul::Elem* kt_head,
           b.Q[(t * group + g) * D + dd] = Mul::from(src[dd]);
       }
     }
-  std::fill(b.O, b.O + M * D, 0.f);
   std::fill(b.m, b.m + M, -INFINITY);
   std::fill(b.l, b.l + M, 0.f);
   const int64_t first_visible = p.num_k - p.num_q + t0;  // the last key token t0 sees
   const int64_t seen = first_visible + tokens;           // keys the last token sees
   for (int64_t j0 = 0; j0 < seen; j0 += KEYS) {
     const int nk = static_cast<int>(std::min<int64_t>(KEYS, seen - j0));
-    const int span = (nk + SCORE_VECTORS * W - 1) / (SCORE_VECTORS * W) * (SCORE_VECTORS * W);
+    // scores of whole vectors of keys: register tiles SCORE_VECTORS wide, then one at a time
+    const int span = (nk + W - 1) / W * W;
+    const int wide = span / (SCORE_VECTORS * W) * (SCORE_VECTORS * W);
     const int64_t tile = (j0 / KEYS) * D * KEYS;
-    product<Mul, SCORE_ROWS, SCORE_VECTORS>(b.Q, D, M, D, kt_head + tile, KEYS, span, b.S,
+    product<Mul, SCORE_ROWS, SCORE_VECTORS>(b.Q, D, M, D, kt_head + tile, KEYS, wide, b.S,
                                             KEYS, false);
+    product<Mul, SCORE_ROWS, 1>(b.Q, D, M, D, kt_head + tile + wide * Mul::STEP, KEYS,
+                                span - wide, b.S + wide, KEYS, false);
     softmax_tile<Mul, D>(b.S, M, group, first_visible, j0, nk, Mul::STEP == 1 ? 1.f : p.scale,
                          b.O, b.m, b.l, b.P);
-    product<Mul, OUT_ROWS, D / W>(b.P, KEYS, M, nk, vt_head + tile, D, D, b.O, D, true);
+    // the first tile's P V is the output so far (nothing to rescale: O is not read)
+    product<Mul, OUT_ROWS, D / W>(b.P, KEYS, M, nk, vt_head + tile, D, D, b.O, D, j0 > 0);
   }
   for (int64_t t = 0; t < tokens; ++t)
     for (int64_t g = 0; g < group; ++g) {
@@ -283,18 +335,20 @@ void attend(const Problem<T>& p, int threads) {
   const int64_t blocks = (p.num_q + QUERY_TOKENS - 1) / QUERY_TOKENS, units = p.hkv * blocks;
   const int64_t rows = QUERY_TOKENS * (p.hq / p.hkv), per_thread = Scratch<Mul>::floats(rows, D);
   // every buffer before the parallel region: an exception cannot leave one
-  std::vector<typename Mul::Elem> kt(static_cast<size_t>(p.hkv * tiles * D * KEYS));
-  std::vector<typename Mul::Elem> vt(kt.size());
-  std::vector<float> scratch(static_cast<size_t>(threads * per_thread));
+  // left unset (pack writes every element, and a unit's buffers are written before read)
+  const size_t packed_size = static_cast<size_t>(p.hkv * tiles * D * KEYS);
+  const std::unique_ptr<typename Mul::Elem[]> kt(new typename Mul::Elem[packed_size]);
+  const std::unique_ptr<typename Mul::Elem[]> vt(new typename Mul::Elem[packed_size]);
+  const std::unique_ptr<float[]> scratch(new float[static_cast<size_t>(threads * per_thread)]);
 #pragma omp parallel num_threads(threads)
   {
-    pack<Mul, T, D>(p, tiles, kt.data(), vt.data());  // ends in the loop's barrier
-    const Scratch<Mul> buffers(scratch.data() + omp_get_thread_num() * per_thread, rows, D);
+    pack<Mul, T, D>(p, tiles, kt.get(), vt.get());  // ends in the loop's barrier
+    const Scratch<Mul> buffers(scratch.get() + omp_get_thread_num() * per_thread, rows, D);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t u = 0; u < units; ++u) {
       // later query blocks see more keys: the costliest start first
       const int64_t h = u % p.hkv, block = blocks - 1 - u / p.hkv, head = h * tiles * D * KEYS;
-      attend_unit<Mul, T, D>(p, kt.data() + head, vt.data() + head, h, block * QUERY_TOKENS,
+      attend_unit<Mul, T, D>(p, kt.get() + head, vt.get() + head, h, block * QUERY_TOKENS,
                              buffers);
     }
   }
@@ -401,7 +455,8 @@ void decode_span(const DecodeProblem<T>& p, int64_t row, int64_t j0, int64_t j1,
   const int64_t group = p.hq / p.hkv, n = j1 - j0;
   for (int64_t qh = 0; qh < p.hq; ++qh)
     for (int c = 0; c < D; c += W)
-      store(queries + qh * D + c, load_widened(p.q + row * p.q_stride + qh * D + c) * p.scale);
+      store(queries + qh * D + c,  // scores in powers of 2 (vexp2)
+            load_widened(p.q + row * p.q_stride + qh * D + c) * (p.scale * LOG2E));
   for_each_key(p, p.k_cache, row, j0, j1, [&](int64_t i, const T* token) {
     // the same token's V row, which the second pass reads: fetched while the scores are made
     const char* value = reinterpret_cast<const char*>(p.v_cache + (token - p.k_cache));
@@ -426,7 +481,7 @@ void decode_span(const DecodeProblem<T>& p, int64_t row, int64_t j0, int64_t j1,
     const float m = hmax(mx);
     vf sum = splat(0.f);
     for (int64_t j = 0; j < span; j += W) {
-      vf e = vexp(load(s + j) - m);
+      vf e = vexp2(load(s + j) - m, first_lanes(static_cast<int>(n - j)));
       store(s + j, e);
       sum += e;
     }
@@ -458,7 +513,7 @@ void merge_spans(const DecodeProblem<T>& p, int64_t row, int64_t qh, int64_t max
   for (int c = 0; c < D / W; ++c) acc[c] = splat(0.f);
   for (int64_t c = 0; c < n; ++c) {
     const float* part = first + c * stride;
-    const float weight = std::exp(part[D] - m);
+    const float weight = std::exp2(part[D] - m);
     l += weight * part[D + 1];
     for (int k = 0; k < D / W; ++k) acc[k] += load(part + k * W) * weight;
   }
