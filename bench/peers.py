@@ -173,7 +173,7 @@ class Peer:
 
     def call(self, ids: list[int], n: int) -> tuple[float, list[int]]:
         """(seconds, greedy tokens) of one call of n new tokens after `ids`."""
-        time.sleep(SETTLE_S)
+        wait_until_quiet()
         self.process.stdin.write(json.dumps({"ids": ids, "n": n}) + "\n")
         self.process.stdin.flush()
         answer = self._answer("RESULT ")
@@ -194,9 +194,40 @@ class Peer:
         self.process.wait()
 
 
-# between calls to different processes: a peer's OpenMP threads may spin a while after its
-# last call (Intel's OpenMP, which vLLM preloads, waits 200 ms by default)
-SETTLE_S = 0.3
+# Each call starts on a quiet machine: a peer may keep a core busy after its own last call
+# (vLLM's processes spun one core for ~1 s after each call on the AVX512-BF16 EPYC, session 46,
+# which slowed whichever system was timed next: the engine's float32 512-token prefill read
+# 802-803 tok/s alternating with vLLM, 845-879 alternating with itself or another engine).
+# Quiet: less than QUIET_CPUS of one CPU busy, machine-wide, over QUIET_WINDOW_S.
+QUIET_CPUS = 0.3
+QUIET_WINDOW_S = 0.2
+QUIET_MAX_S = 10.0  # a machine never that quiet (other tenants) times anyway
+
+
+def wait_until_quiet() -> float:
+    """Wait until the machine is quiet (at most QUIET_MAX_S; at once where Linux's /proc/stat
+    is unreadable); the seconds waited."""
+    start = time.monotonic()
+    before = busy_cpu_seconds()
+    while before is not None and time.monotonic() - start < QUIET_MAX_S:
+        time.sleep(QUIET_WINDOW_S)
+        after = busy_cpu_seconds()
+        if after - before < QUIET_CPUS * QUIET_WINDOW_S:
+            break
+        before = after
+    return time.monotonic() - start
+
+
+def busy_cpu_seconds() -> float | None:
+    """CPU-seconds every CPU has spent busy since boot (user, nice, system, irq, softirq:
+    not idle, I/O wait or time the hypervisor gave to others), from /proc/stat."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:8]]
+    except (OSError, ValueError):
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq = ticks
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
 
 
 def start_peers(rows: list[dict], work: Path, args: argparse.Namespace) -> list[Peer]:

@@ -8,7 +8,9 @@ import json
 import os
 import subprocess
 import sys
+import time
 
+from bench.peers import wait_until_quiet
 from tests.subproc import ROOT
 
 
@@ -32,3 +34,18 @@ def test_engine_and_transformers_rows_agree_and_a_missing_peer_is_named(tmp_path
     assert "skipped vLLM CPU: no venv" in done.stdout
     assert "bash scripts/setup_peers.sh vllm" in done.stdout
     assert done.stdout.count("skipped llama.cpp") == 3  # f32 with and without flash-attn, Q4_1
+
+
+def test_a_call_waits_while_another_process_keeps_a_core_busy():
+    """bench.peers starts each timed call on a quiet machine: a process spinning on one core
+    (as a vLLM peer's did for ~1 s after each of its calls) holds the next call back until it
+    stops."""
+    spinner = subprocess.Popen([sys.executable, "-c", "import time\nt = time.monotonic()\n"
+                                "while time.monotonic() - t < 1.5:\n    pass"])
+    try:
+        time.sleep(0.4)  # started, spinning
+        wait_until_quiet()
+        assert spinner.poll() is not None, "released while the spinner still ran"
+    finally:
+        spinner.kill()
+        spinner.wait()
