@@ -2,9 +2,11 @@
 float64 softmax(QKᵀ)V with an explicit causal mask: whole prompts and chunks after cached keys,
 grouped and ungrouped heads, every head size it is built for, lengths that are not multiples of
 its tiles, strided rows as the QKV projection's views give it, one thread and two, float32 and
-bfloat16 (its float32 arithmetic on bf16 inputs: within the output's bf16 rounding). Inputs it does
-not take, and a machine where it cannot be built, get SDPA's answer; an engine where it wins the
-timing runs it in every layer of a prompt and gives the tokens of the built-in choice."""
+bfloat16 (its float32 arithmetic on bf16 inputs: within the output's bf16 rounding), scores that
+climb or fall far along the keys (moving its lazily kept running max), and the code an AVX2-only
+CPU runs, built here for that kind of CPU. Inputs it does not take, and a machine where it cannot
+be built, get SDPA's answer; an engine where it wins the timing runs it in every layer of a
+prompt and gives the tokens of the built-in choice."""
 from __future__ import annotations
 
 import pytest
