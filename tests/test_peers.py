@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 
+from bench import peers
 from bench.peers import wait_until_quiet
 from tests.subproc import ROOT
 
@@ -36,16 +37,36 @@ def test_engine_and_transformers_rows_agree_and_a_missing_peer_is_named(tmp_path
     assert done.stdout.count("skipped llama.cpp") == 3  # f32 with and without flash-attn, Q4_1
 
 
+def _spinner(seconds: float) -> subprocess.Popen:
+    """A process keeping one core busy for `seconds`."""
+    return subprocess.Popen([sys.executable, "-c", "import time\nt = time.monotonic()\n"
+                             f"while time.monotonic() - t < {seconds}:\n    pass"])
+
+
 def test_a_call_waits_while_another_process_keeps_a_core_busy():
     """bench.peers starts each timed call on a quiet machine: a process spinning on one core
     (as a vLLM peer's did for ~1 s after each of its calls) holds the next call back until it
     stops."""
-    spinner = subprocess.Popen([sys.executable, "-c", "import time\nt = time.monotonic()\n"
-                                "while time.monotonic() - t < 1.5:\n    pass"])
+    spinner = _spinner(1.5)
     try:
         time.sleep(0.4)  # started, spinning
         wait_until_quiet()
         assert spinner.poll() is not None, "released while the spinner still ran"
+    finally:
+        spinner.kill()
+        spinner.wait()
+
+
+def test_a_machine_that_stays_busy_is_timed_anyway_and_said_so(monkeypatch):
+    """Past QUIET_MAX_S of waiting the call is timed anyway, and the wait says it never saw
+    the machine quiet (Peer.call then prints that the row's figures share the CPUs)."""
+    monkeypatch.setattr(peers, "QUIET_MAX_S", 0.6)
+    spinner = _spinner(5.0)
+    try:
+        time.sleep(0.4)
+        waited = wait_until_quiet()
+        assert spinner.poll() is None, "the spinner ended: the machine did get quiet"
+        assert 0.6 <= waited < 3.0
     finally:
         spinner.kill()
         spinner.wait()
