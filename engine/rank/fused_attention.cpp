@@ -90,9 +90,8 @@ inline int64_t packed(int64_t k, int64_t j, int64_t cols) {
 template <typename Mul, int R, int C>
 // (always inlined: a call keeps `rows` a variable, and a test of it beside every FMA)
 __attribute__((always_inline)) inline void tile_product(
-    const typename Mul::Elem* A, int64_t lda, int rows, int depth,
-                         const typename Mul::Elem* B, int64_t cols, float* out, int64_t ldo,
-                         bool accumulate) {
+    const typename Mul::Elem* A, int64_t lda, int rows, int depth, const typename Mul::Elem* B,
+    int64_t cols, float* out, int64_t ldo, bool accumulate) {
   vf acc[R][C];
   for (int i = 0; i < R; ++i)
     for (int c = 0; c < C; ++c)
@@ -475,9 +474,9 @@ void decode_span(const DecodeProblem<T>& p, int64_t row, int64_t j0, int64_t j1,
   const int64_t span = (n + W - 1) / W * W;
   for (int64_t qh = 0; qh < p.hq; ++qh) {
     float* s = scores + qh * DECODE_KEYS;
-    for (int64_t j = n; j < span; ++j) s[j] = -INFINITY;
     vf mx = splat(-INFINITY);
-    for (int64_t j = 0; j < span; j += W) { vf x = load(s + j); mx = x > mx ? x : mx; }
+    for (int64_t j = 0; j < span; j += W)
+      mx = max_kept(mx, load(s + j), first_lanes(static_cast<int>(n - j)));
     const float m = hmax(mx);
     vf sum = splat(0.f);
     for (int64_t j = 0; j < span; j += W) {

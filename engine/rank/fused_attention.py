@@ -4,10 +4,10 @@ attention, and a decode step's over the paged KV cache.
 torch's CPU flash kernel spends much of a prompt's attention outside its matrix products. This
 one keeps a tile of queries' scores, softmax and output in the core's caches, runs the query
 heads that share a KV head through each K/V tile together, and multiplies in register tiles of
-the machine's widest vectors: one SmolLM2 layer's float32 2048-token prompt took 25.5 ms
-against SDPA's 42.7, and a 512-token one 2.0 against 4.8 (2 threads of the AVX512-BF16 EPYC,
+the machine's widest vectors: one SmolLM2 layer's float32 2048-token prompt took 24.3 ms
+against SDPA's 38.3, and a 512-token one 1.7 against 3.9 (2 threads of the AVX512-BF16 EPYC,
 `.venv/bin/python -m bench.cpu_ops --only-prompt-attention --fused-from 8e201cc`, which also
-times the kernel as it was before session 46: 1.14-1.32x slower; BENCHMARKS.md).
+times the kernel as it was before session 46: 1.09-1.30x slower; BENCHMARKS.md).
 
 A decode step's (`paged_decode`) stores the step's new K/V and reads each row's context through
 its block table in one call, with spans of one row's keys spread over the threads; the compiled
