@@ -121,3 +121,53 @@ def test_float32_rows_against_bf16_weight(rows, compiled):
     torch.testing.assert_close(y.double(), exact, rtol=1e-2, atol=0.05)
     if compiled and rows == 1:  # the multiply-and-sum keeps x in float32: near exact
         torch.testing.assert_close(y.double(), exact, rtol=0, atol=1e-4)
+
+
+def _gated_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """SiLU(x Gᵀ) · (x Uᵀ) in float64, for w = [G; U]."""
+    gate, up = (x.double() @ w.double().t()).chunk(2, -1)
+    return F.silu(gate) * up
+
+
+@pytest.mark.skipif(not gemm.HAVE_ONEDNN, reason="this torch build has no oneDNN")
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_gated_halves_match_float64(dtype, tol):
+    """oneDNN's product of packed gate and up halves, with the SiLU and the product applied as
+    it writes: the float64 formula, at a prompt's rows and at a few rows."""
+    if dtype == torch.bfloat16 and not gemm.HAVE_ONEDNN_BF16:
+        pytest.skip("oneDNN builds no bf16 products on this CPU (AVX2 only)")
+    gen = torch.Generator().manual_seed(3)
+    w = (torch.randn(160, 96, generator=gen) / 4).to(dtype)
+    halves = [gemm.pack_for_rows(h.contiguous(), 64) for h in w.chunk(2)]
+    for rows in (3, 300):
+        x = torch.randn(rows, 96, generator=gen).to(dtype)
+        y, ref = gemm.gated_halves(x, *halves), _gated_reference(x, w)
+        assert y.shape == (rows, 80) and y.dtype == dtype
+        torch.testing.assert_close(y.double(), ref, rtol=0, atol=tol * max(1.0, float(ref.abs().max())))
+
+
+@pytest.mark.skipif(not gemm.HAVE_ONEDNN, reason="this torch build has no oneDNN")
+@pytest.mark.parametrize("compiled", [False, True])
+def test_gated_product_reads_halves_until_the_weight_is_written(monkeypatch, compiled):
+    """A gate/up weight registered with halves: a prompt's rows go through them (eagerly and
+    as the graph op), a decode-sized product and a weight written since take the product
+    and a SiLU·mul; every one is the formula's. Its whole-weight lookup finds no copy."""
+    copies = gemm.PromptCopies()
+    monkeypatch.setattr(gemm, "PROMPT_COPIES", copies)
+    used = []
+    fused = gemm.gated_halves
+    monkeypatch.setattr(gemm, "gated_halves", lambda x, g, u: used.append(len(x)) or fused(x, g, u))
+    w = torch.randn(64, 32, requires_grad=False) / 4
+    assert copies.add([w], 64, halves=True) == w.nbytes
+    assert copies.find(w) is w and len(copies.find_halves(w)) == 2
+    run = (torch.compile(lambda x, w: gemm.gated_product(x, w) * 1, dynamic=True) if compiled
+           else gemm.eager_gated_product)
+    for rows in (40, gemm.PLAIN_WEIGHT_ROWS):
+        x = torch.randn(rows, 32)
+        torch.testing.assert_close(run(x, w).double(), _gated_reference(x, w), rtol=0, atol=1e-5)
+    assert used == [40]
+    w.mul_(-1)
+    assert copies.find_halves(w) is None
+    x = torch.randn(40, 32)
+    torch.testing.assert_close(run(x, w).double(), _gated_reference(x, w), rtol=0, atol=1e-5)
+    assert used == [40]

@@ -255,6 +255,19 @@ def test_only_a_bf16_model_times_packed_decode_copies(cache):
 
 
 
+def _gated_timed(monkeypatch, winner: str) -> list[tuple[int, int]]:
+    """The gate/up product with its SiLU·mul timed faster by `winner` ("whole", "halves");
+    the (rows, out features) timed."""
+    timed = []
+
+    def timing(weight, rows):
+        timed.append((rows, weight.shape[0]))
+        return {"whole": 2e-3, "halves": 2e-3, winner: 1e-3}
+
+    monkeypatch.setattr(kc, "_time_gated", timing)
+    return timed
+
+
 def _prompt_copies_timed(monkeypatch, speedup: float) -> list[int]:
     """Prompt copies timed `speedup` times faster than the plain weights; the rows timed."""
     rows = []
@@ -357,6 +370,7 @@ def test_prompts_read_packed_copies_where_they_won(tiny_model_dir, cache, monkey
     prompts = [[5, 9, 2, 7, 11, 3, 8, 1] * 3, [4, 4, 6] * 7]
     outs, infos, logits, reads = {}, {}, {}, {}
     _prompt_copies_timed(monkeypatch, 2.0)
+    _gated_timed(monkeypatch, "whole")  # gate/up keeps its whole copy here
     for choice in ("measure", "fixed"):
         with LLM(path, kernel_choice=choice, max_num_batched_tokens=64, compile=compile) as llm:
             [infos[choice]] = llm.rank_info()
@@ -690,3 +704,46 @@ def test_a_compiled_one_row_product_follows_the_pick(call_torch):
 def test_a_bad_setting_names_the_fix():
     with pytest.raises(ConfigError, match="kernel_choice='fastest'.*'measure'.*'fixed'"):
         LLM("smollm2", kernel_choice="fastest")
+
+
+@needs_onednn
+@pytest.mark.parametrize("compile", [False, True])
+def test_prompts_fuse_the_silu_mul_where_packed_halves_won(tiny_model_dir, cache, monkeypatch,
+                                                         compile):
+    """The gate/up product made to win the timing with its SiLU·mul inside oneDNN: the rank
+    packs its halves instead of the whole (the same bytes), prompt steps of more than
+    PLAIN_WEIGHT_ROWS rows run them, eagerly and through the layers graph, decode-sized ones
+    do not, and logits and tokens are those of the built-in choices."""
+    copies = gemm.PromptCopies()
+    monkeypatch.setattr(gemm, "PROMPT_COPIES", copies)
+    fused_rows = []
+    fused = gemm.gated_halves
+    monkeypatch.setattr(gemm, "gated_halves",
+                        lambda x, g, u: fused_rows.append(len(x)) or fused(x, g, u))
+    _prompt_copies_timed(monkeypatch, 2.0)
+    timed = _gated_timed(monkeypatch, "halves")
+    path = str(tiny_model_dir("llama"))
+    prompts = [[5, 9, 2, 7, 11, 3, 8, 1] * 3, [4, 4, 6] * 7]
+    outs, infos, logits, runs = {}, {}, {}, {}
+    for choice in ("measure", "fixed"):
+        with LLM(path, kernel_choice=choice, max_num_batched_tokens=64, compile=compile) as llm:
+            [infos[choice]] = llm.rank_info()
+            fused_rows.clear()
+            logits[choice] = [o.logits for o in llm.prefill(prompts)]
+            generated = llm.generate(prompts, SamplingParams(max_tokens=6))
+            outs[choice] = [o.token_ids for o in generated]
+            runs[choice] = list(fused_rows)
+    cfg = json.loads((tiny_model_dir("llama") / "config.json").read_text())
+    h, ffn, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    assert timed == [(64, 2 * ffn)]  # one timing, at the copies' rows, of the gate/up shape
+    # the prefill's step (45 rows) in every layer but the last, whose MLP runs the 2 sampled
+    # rows; generate's prompt step (13 rows after the cached blocks) and decode steps: none
+    assert runs == {"measure": [45] * (layers - 1), "fixed": []}
+    assert [line for line in infos["measure"].kernels if line.startswith("gated-prompt")
+            and ": halves (" in line]
+    kv = cfg["num_key_value_heads"] * h // cfg["num_attention_heads"]
+    per_layer = h * (h + 2 * kv) + h * h + 2 * ffn * h + ffn * h
+    assert infos["measure"].weight_bytes - infos["fixed"].weight_bytes == 4 * layers * per_layer
+    for got, want in zip(logits["measure"], logits["fixed"]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert outs["measure"] == outs["fixed"]

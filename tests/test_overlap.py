@@ -135,7 +135,7 @@ def test_overlap_on_matches_off(ray_cluster, tiny_model_dir, tp):
     # the split layers' ops, the row-parallel linears and their all-reduces included, are traced
     # with their layer: each o_proj and down_proj has its own all-reduce in the same layer
     layers = range(llm.model_config.num_layers)
-    in_layers = ("qkv_proj", "rope", "attention", "o_proj", "down_proj", "silu_mul")
+    in_layers = ("qkv_proj", "rope", "attention", "o_proj", "gate_up_proj", "down_proj")
     assert all(r["layer"] in layers for r in records if r["name"] in in_layers)
     for op in ("o_proj", "down_proj"):
         assert any(r["shapes"].startswith("[16") for r in records if r["name"] == op), op

@@ -15,7 +15,8 @@ HW = Hardware("test-roof", peak_flops=1e11, peak_bytes=1e10)  # ridge at 10 FLOP
 def hand_count(cfg: dict, tokens: int, tp: int = 1, elem: int = 4) -> tuple[int, int]:
     """FLOPs and bytes of a prefill of `tokens` tokens with no cached prefix, summed over ranks,
     written out from the conventions in engine/observe/costs.py: 2 FLOPs per multiply-add; element-wise
-    FLOPs per output element: RMSNorm 4 (+1 with the residual add), RoPE 3, SiLU·mul 4. The last
+    FLOPs per output element: RMSNorm 4 (+1 with the residual add), RoPE 3, SiLU·mul 4 (in the
+    gate/up projection's op, which writes only its result). The last
     layer's post-attention norm and MLP run the sampled row only (a prompt of 2 or more)."""
     T, d, L, hd = tokens, cfg["hidden"], cfg["layers"], cfg["head_dim"]
     V, ffn = cfg["vocab"], cfg["ffn"]
@@ -42,7 +43,8 @@ def hand_count(cfg: dict, tokens: int, tp: int = 1, elem: int = 4) -> tuple[int,
             flops += 2 * T * q * hd * d  # o_proj
             nbytes += (T * q * hd + q * hd * d + T * d) * elem
             flops += 2 * m * d * 2 * f + 4 * m * f + 2 * m * f * d  # gate/up, silu·mul, down
-            nbytes += (m * d + 2 * f * d + 2 * m * f) * elem + 3 * m * f * elem
+            # gate/up applies its SiLU·mul itself: reads x and W, writes [m, f]
+            nbytes += (m * d + 2 * f * d + m * f) * elem
             nbytes += (m * f + f * d + m * d) * elem
         flops += 5 * d + 2 * d * v  # final norm (one row, with residual), LM head on it
         nbytes += (4 * d + d) * elem + (d + d * v + v) * elem

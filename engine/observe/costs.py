@@ -96,10 +96,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, meta) -> tuple[str, int, int]:
             4 * heads * d * pairs, 2 * nbytes(q) + kv_bytes)
 
 
-def silu_mul(gate_up: torch.Tensor):
-    half = gate_up.numel() // 2
-    return f"{shape(gate_up)} -> [{len(gate_up)}, {gate_up.shape[-1] // 2}]", 4 * half, \
-        nbytes(gate_up) + half * gate_up.element_size()
+def gated_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    """The MLP's gate/up product [T, k] x [k, 2n] with its SiLU·mul, which the op applies
+    itself: the product's FLOPs plus 4 per output element; reads x and W, writes [T, n]."""
+    shapes, flops, moved = linear(x, weight, bias)
+    half = x.numel() // x.shape[-1] * weight.shape[0] // 2
+    return (f"{shapes} -> SiLU·mul -> [{len(x)}, {weight.shape[0] // 2}]", flops + 4 * half,
+            moved - half * x.element_size())
 
 
 def sample(logits: torch.Tensor):
@@ -109,8 +112,10 @@ def sample(logits: torch.Tensor):
 
 def op_cost(op: str, module: torch.nn.Module, args: tuple) -> tuple[str, int, int]:
     """(shapes, FLOPs, bytes) of one call of a traced op, from the module and its inputs."""
-    if op in ("qkv_proj", "gate_up_proj"):
+    if op == "qkv_proj":
         return linear(args[0], module.weight, module.bias)
+    if op == "gate_up_proj":
+        return gated_linear(args[0], module.weight, module.bias)
     if op in ("o_proj", "down_proj", "lm_head"):  # the bias, if any, is added after the reduce
         return linear(args[0], module.weight)
     if op == "embedding":
@@ -123,8 +128,6 @@ def op_cost(op: str, module: torch.nn.Module, args: tuple) -> tuple[str, int, in
         return kv_write(args[0], args[1])
     if op == "attention":
         return attention(args[0], args[1], args[3].meta)
-    if op == "silu_mul":
-        return silu_mul(args[0])
     if op == "all_reduce":
         return all_reduce(args[0], module.tp.world_size())
     if op == "gather_logits":

@@ -27,7 +27,7 @@ OP_NAMES = {
     "embed_tokens": "embedding", "input_layernorm": "input_norm", "qkv_proj": "qkv_proj",
     "rotary_emb": "rope", "kv_store": "kv_write", "attn": "attention", "o_proj": "o_proj",
     "all_reduce": "all_reduce", "post_attention_layernorm": "post_attn_norm",
-    "gate_up_proj": "gate_up_proj", "act_fn": "silu_mul", "down_proj": "down_proj",
+    "gate_up_proj": "gate_up_proj", "down_proj": "down_proj",
     "norm": "final_norm", "lm_head": "lm_head", "gather": "gather_logits", "sampler": "sample",
 }
 _COLLECTIVES = ("all_reduce", "gather_logits")

@@ -9,6 +9,8 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
+
 from engine.errors import ConfigError
 from engine.rank import gemm, ops
 from engine.rank.attention import torch_attention
@@ -32,6 +34,20 @@ class Backend:
     # (q, k, cos rows, sin rows) -> (q, k): RoPE at multipliers gathered once per eager step
     # (engine.rank.ops.rope_rows); None: `rope` gathers them itself in every layer
     rotate: Callable | None = None
+    # (x, gate/up weight [gate; up], bias | None) -> SiLU(x W_gateᵀ) · (x W_upᵀ) as one fused
+    # call (engine.rank.kernel_choice picks where it runs); None: `linear`, then `silu_mul`
+    gated_linear: Callable | None = None
+
+    def gated(self) -> Callable:
+        """The MLP's gate/up product with its SiLU·mul applied: [T, ffn] from x [T, d]."""
+        if self.gated_linear is not None:
+            return self.gated_linear
+        linear, silu_mul = self.linear, self.silu_mul
+
+        def linear_then_silu_mul(x: torch.Tensor, weight: torch.Tensor,
+                                 bias: torch.Tensor | None = None) -> torch.Tensor:
+            return silu_mul(linear(x, weight, bias))
+        return linear_then_silu_mul
 
     def step_ops(self, decode: bool) -> BackendOps:
         """The KV store and attention of an eager step; `decode`: one new token per sequence."""

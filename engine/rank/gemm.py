@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine.rank import ops
 from engine.rank.quantized import KERNEL_ROWS, QuantizedWeight
 from parallel import graph_op
 
@@ -111,13 +112,16 @@ class PromptCopies:
     def __init__(self) -> None:
         self._entries: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
 
-    def add(self, weights: list[torch.Tensor], rows: int) -> int:
-        """Pack each weight for products of about `rows` rows; the copies' bytes."""
+    def add(self, weights: list[torch.Tensor], rows: int, halves: bool = False) -> int:
+        """Pack each weight for products of about `rows` rows; the copies' bytes. `halves`:
+        pack its first and second halves of rows apart (a gate/up weight: gated_halves)."""
         nbytes = 0
         for weight in weights:
             if weight.is_inference():  # no version to tell a weight written since
                 continue
-            packed = pack_for_rows(weight.detach(), rows)
+            plain = weight.detach()
+            packed = (tuple(pack_for_rows(half.contiguous(), rows) for half in plain.chunk(2))
+                      if halves else pack_for_rows(plain, rows))
             self._entries[weight.data_ptr()] = (weight, weight._version, packed)
             nbytes += weight.nbytes
         return nbytes
@@ -128,13 +132,22 @@ class PromptCopies:
 
     def find(self, weight: torch.Tensor) -> torch.Tensor:
         """The weight's packed copy, or the weight where it has none (or was written since)."""
+        packed = self._packed(weight)
+        return packed if isinstance(packed, torch.Tensor) else weight
+
+    def find_halves(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The packed copies of the weight's two halves (add(..., halves=True)), or None."""
+        packed = self._packed(weight)
+        return packed if isinstance(packed, tuple) else None
+
+    def _packed(self, weight: torch.Tensor) -> torch.Tensor | tuple | None:
         entry = self._entries.get(weight.data_ptr())
         if entry is None:
-            return weight
+            return None
         plain, version, packed = entry
         same = (plain.shape == weight.shape and plain.dtype == weight.dtype
                 and plain.stride() == weight.stride() and version == weight._version)
-        return packed if same else weight
+        return packed if same else None
 
 
 PROMPT_COPIES = PromptCopies()
@@ -156,6 +169,31 @@ def eager_onednn_linear(x: torch.Tensor, weight: torch.Tensor,
 onednn_linear = graph_op.define(
     "onednn_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor", eager_onednn_linear,
     lambda x, weight, bias: x.new_empty(x.shape[0], weight.shape[0]))
+
+
+def gated_halves(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """SiLU(x Gᵀ) · (x Uᵀ) from packed gate and up weights, the SiLU and the product applied
+    by oneDNN as each tile of the result is written: no [T, 2·ffn] tensor is written and read
+    again. SmolLM2's gate/up at 512 rows (2 threads of the AVX512-BF16 EPYC,
+    `.venv/bin/python -m bench.cpu_ops --only-gated`): BENCHMARKS.md, session 47."""
+    silu_gate = torch.ops.mkldnn._linear_pointwise(x, gate, None, "swish", [], "")
+    return torch.ops.mkldnn._linear_pointwise.binary(x, silu_gate, up, None, "mul")
+
+
+def eager_gated_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """SiLU·mul of x times a gate/up weight [gate; up] of x's dtype, through oneDNN: the fused
+    halves where the weight has packed ones (PromptCopies.add(..., halves=True)) and the rows
+    are a prompt's, else the product, then the SiLU·mul."""
+    halves = PROMPT_COPIES.find_halves(weight) if x.shape[0] > PLAIN_WEIGHT_ROWS else None
+    if halves is None:
+        return ops.silu_mul(eager_onednn_linear(x, weight))
+    return gated_halves(x, *halves)
+
+
+# As an opaque op for compiled graphs, as onednn_linear: the halves are found at run time.
+gated_product = graph_op.define(
+    "onednn_gated_product(Tensor x, Tensor weight) -> Tensor", eager_gated_product,
+    lambda x, weight: x.new_empty(x.shape[0], weight.shape[0] // 2))
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight,

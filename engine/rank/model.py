@@ -37,15 +37,6 @@ class RMSNorm(nn.Module):
         copy_checked(self.weight, read(f"{name}.weight", None, 0, 0), f"{name}.weight")
 
 
-class SiluAndMul(nn.Module):
-    def __init__(self, backend: Backend):
-        super().__init__()
-        self.backend = backend
-
-    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
-        return self.backend.silu_mul(gate_up)
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, shard: ShardPlan, layer_idx: int,
                  rotary_emb: RotaryEmbedding, backend: Backend, tp: TensorGroup):
@@ -74,13 +65,14 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, shard: ShardPlan, backend: Backend, tp: TensorGroup):
         super().__init__()
+        # SiLU(gate) · up comes out of the gate/up projection itself: a prompt's product can
+        # apply it as the product's tiles are written (engine.rank.gemm.gated_halves)
         self.gate_up_proj = ColumnParallelLinear(cfg.hidden_size, [shard.ffn, shard.ffn],
-                                                 matmul=backend.linear)
-        self.act_fn = SiluAndMul(backend)
+                                                 matmul=backend.gated())
         self.down_proj = RowParallelLinear(shard.ffn, cfg.hidden_size, tp, matmul=backend.linear)
 
     def forward(self, x: torch.Tensor, async_op: bool = False):
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)), async_op=async_op)
+        return self.down_proj(self.gate_up_proj(x), async_op=async_op)
 
     def load(self, read: TensorReader, prefix: str) -> None:
         self.gate_up_proj.load(read, [f"{prefix}.gate_proj", f"{prefix}.up_proj"])

@@ -103,11 +103,13 @@ class Worker:
 
     def _measure_kernels(self) -> float:
         started, heads = time.perf_counter(), self.shard.heads
+        gate_up = self.model.layers[0].mlp.gate_up_proj.weight
         self.kernels.measure(projection_weights(self.model),
                              (heads.num_q_heads, heads.num_kv_heads, self.plan.model.head_dim),
                              self.plan.max_num_batched_tokens,
                              lm_head_shape=tuple(self.model.lm_head.weight.shape),
-                             max_context=self.plan.max_model_len)
+                             max_context=self.plan.max_model_len,
+                             gate_up_shape=tuple(gate_up.shape))
         self.kernels.choose_int8_rows(quantized_weights(self.model))
         if self.plan.compile:
             self.kernels.choose_graph_rows(projection_weights(self.model))
@@ -134,6 +136,7 @@ class Worker:
                 f"overlap={plan.overlap_comm} "
                 f"graph_rows_torch={self.kernels.graph_rows_call_torch} "
                 f"fused_decode={self.kernels.graph_decode_fused} "
+                f"gated={self.kernels.gated_prompt_shape} "
                 f"int8_rows={sorted(self.kernels.int8_rows_shapes)}")
 
     def _decode_view(self) -> tuple[torch.nn.Module | None, int]:
@@ -159,7 +162,13 @@ class Worker:
         if not weights:
             return 0
         weakref.finalize(self.model, gemm.PROMPT_COPIES.remove, [w.data_ptr() for w in weights])
-        return gemm.PROMPT_COPIES.add(weights, self.kernels.prompt_copy_rows)
+        # gate/up weights whose prompts fuse the SiLU·mul (KernelChoice.gated_linear): halves
+        gate_ups = [layer.mlp.gate_up_proj for layer in self.model.layers]
+        gated = {id(p.weight) for p in gate_ups if p.bias is None
+                 and tuple(p.weight.shape) == self.kernels.gated_prompt_shape}
+        rows = self.kernels.prompt_copy_rows
+        return (gemm.PROMPT_COPIES.add([w for w in weights if id(w) not in gated], rows)
+                + gemm.PROMPT_COPIES.add([w for w in weights if id(w) in gated], rows, halves=True))
 
     def _warm_up(self) -> float:
         """Compile (compile=True) and tune (Triton on a GPU) at start-up; seconds taken."""
