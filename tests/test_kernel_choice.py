@@ -383,9 +383,9 @@ def test_prompts_read_packed_copies_where_they_won(tiny_model_dir, cache, monkey
     h, ffn, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
     kv = cfg["num_key_value_heads"] * h // cfg["num_attention_heads"]
     # the prefill's one step (both prompts: 45 rows) reads q/k/v, o, gate/up and down's copies
-    # in every layer but the last, whose MLP runs the 2 sampled rows; generate's prompt step
-    # (the rows after the cached blocks: 13) and the decode steps' (2 rows) read none
-    want = [h + 2 * kv, h, 2 * ffn, h] * (layers - 1) + [h + 2 * kv, h]
+    # in every layer but the last, whose o_proj and MLP run the 2 sampled rows; generate's
+    # prompt step (the rows after the cached blocks: 13) and the decode steps' (2 rows) read none
+    want = [h + 2 * kv, h, 2 * ffn, h] * (layers - 1) + [h + 2 * kv]
     assert reads == {"measure": want, "fixed": []}
     per_layer = h * (h + 2 * kv) + h * h + 2 * ffn * h + ffn * h
     assert infos["measure"].weight_bytes - infos["fixed"].weight_bytes == 4 * layers * per_layer
@@ -489,9 +489,9 @@ def test_one_row_steps_run_the_picked_matrix_vector_product(tiny_model_dir, cach
     calls, outs, kernels, layers = _calls_of_the_pick(
         monkeypatch, tiny_model_dir, "matrix_vector_linear", [[5, 9, 2, 7, 11, 3, 8, 1] * 3])
     assert any(line.startswith("linear") and " at 1 rows: mv (" in line for line in kernels)
-    # the prompt step's one sampled row through its last layer's gate/up and down and the LM
-    # head, then 5 decode steps of q/k/v, o, gate/up and down in every layer plus the LM head
-    assert calls == {"measure": [1] * (3 + 5 * (4 * layers + 1)), "fixed": []}
+    # the prompt step's one sampled row through its last layer's o, gate/up and down and the
+    # LM head, then 5 decode steps of q/k/v, o, gate/up and down in every layer plus the LM head
+    assert calls == {"measure": [1] * (4 + 5 * (4 * layers + 1)), "fixed": []}
     assert outs["measure"] == outs["fixed"]
 
 

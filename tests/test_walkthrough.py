@@ -17,7 +17,8 @@ def hand_count(cfg: dict, tokens: int, tp: int = 1, elem: int = 4) -> tuple[int,
     written out from the conventions in engine/observe/costs.py: 2 FLOPs per multiply-add; element-wise
     FLOPs per output element: RMSNorm 4 (+1 with the residual add), RoPE 3, SiLU·mul 4 (in the
     gate/up projection's op, which writes only its result). The last
-    layer's post-attention norm and MLP run the sampled row only (a prompt of 2 or more)."""
+    layer's o_proj, post-attention norm and MLP run the sampled row only (a prompt of 2 or
+    more)."""
     T, d, L, hd = tokens, cfg["hidden"], cfg["layers"], cfg["head_dim"]
     V, ffn = cfg["vocab"], cfg["ffn"]
     flops = nbytes = 0
@@ -40,8 +41,8 @@ def hand_count(cfg: dict, tokens: int, tp: int = 1, elem: int = 4) -> tuple[int,
             nbytes += 2 * 2 * T * kv * hd * elem  # kv write
             flops += 4 * q * hd * T * (T + 1) // 2  # causal attention
             nbytes += 2 * T * q * hd * elem + 2 * T * kv * hd * elem
-            flops += 2 * T * q * hd * d  # o_proj
-            nbytes += (T * q * hd + q * hd * d + T * d) * elem
+            flops += 2 * m * q * hd * d  # o_proj
+            nbytes += (m * q * hd + q * hd * d + m * d) * elem
             flops += 2 * m * d * 2 * f + 4 * m * f + 2 * m * f * d  # gate/up, silu·mul, down
             # gate/up applies its SiLU·mul itself: reads x and W, writes [m, f]
             nbytes += (m * d + 2 * f * d + m * f) * elem
@@ -127,10 +128,10 @@ def test_tp2_shapes_follow_the_head_partition(ray_cluster, tiny_model_dir):
 
 
 def _all_reduce_flops(cfg: dict, tokens: int) -> int:
-    """Two all-reduces of [T, d] per layer plus the embedding's, the last layer's MLP's of the
-    sampled row only; each rank adds half the elements at TP=2, so both ranks together add T·d
-    per all-reduce."""
-    return (2 * cfg["layers"] * tokens + 1) * cfg["hidden"]
+    """Two all-reduces of [T, d] per layer plus the embedding's, the last layer's two (o_proj's
+    and the MLP's) of the sampled row only; each rank adds half the elements at TP=2, so both
+    ranks together add T·d per all-reduce."""
+    return ((2 * cfg["layers"] - 1) * tokens + 2) * cfg["hidden"]
 
 
 def test_app_writes_json_trace_and_roofline(tmp_path, tiny_model_dir):

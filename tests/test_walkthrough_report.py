@@ -17,19 +17,19 @@ HW = Hardware("test-roof", peak_flops=1e11, peak_bytes=1e10)  # ridge at 10 FLOP
 def hand_projection_intensity(hidden: int, heads: int, kv_heads: int, head_dim: int, ffn: int,
                               tokens: int, layers: int = 30, elem: int = 4) -> float:
     """The four weight matmuls of every layer, counted by hand at TP=1: qkv [T, d] x
-    [d, (h + 2·kv)·hd], o [T, h·hd] x [h·hd, d], gate/up [M, d] x [d, 2·ffn], down [M, ffn] x
-    [ffn, d], where M is T except in the last layer of a prompt of 2 or more, whose MLP runs
-    the sampled row only (M = 1). Each is 2·rows·k·n FLOPs and reads the activations (rows·k)
-    and the weights (k·n), writes rows·n elements; but gate/up, which applies the SiLU·mul
-    itself (4 FLOPs per output element), writes its M·ffn results only."""
+    [d, (h + 2·kv)·hd], o [M, h·hd] x [h·hd, d], gate/up [M, d] x [d, 2·ffn], down [M, ffn] x
+    [ffn, d], where M is T except in the last layer of a prompt of 2 or more, whose o_proj
+    and MLP run the sampled row only (M = 1). Each is 2·rows·k·n FLOPs and reads the
+    activations (rows·k) and the weights (k·n), writes rows·n elements; but gate/up, which
+    applies the SiLU·mul itself (4 FLOPs per output element), writes its M·ffn results only."""
     qkv = (heads + 2 * kv_heads) * head_dim
     flops = elements = 0
     for layer in range(layers):
         m = 1 if layer == layers - 1 and tokens >= 2 else tokens
-        flops += 2 * tokens * (hidden * qkv + heads * head_dim * hidden)
+        flops += 2 * tokens * hidden * qkv + 2 * m * heads * head_dim * hidden
         flops += 2 * m * (hidden * 2 * ffn + ffn * hidden) + 4 * m * ffn
         elements += (tokens * hidden + hidden * qkv + tokens * qkv) \
-            + (tokens * heads * head_dim + heads * head_dim * hidden + tokens * hidden) \
+            + (m * heads * head_dim + heads * head_dim * hidden + m * hidden) \
             + (m * hidden + hidden * 2 * ffn + m * ffn) \
             + (m * ffn + ffn * hidden + m * hidden)
     return flops / (elements * elem)

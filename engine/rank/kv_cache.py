@@ -59,11 +59,21 @@ class KVCache:
         return k, v
 
 
+# Up to this many rows K and V are stacked and stored by one index_copy_: cheaper than two in
+# a decode step, where every small op of every layer runs between weight reads that have
+# emptied the caches. More rows store K and V apart: stacking them first is a copy more (a
+# 512-token SmolLM2 layer: 50 against 83 us on the AVX512-BF16 EPYC, a /tmp timing)
+STACKED_ROWS = 16
+
+
 def store_into(data: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor,
                slot_mapping: torch.Tensor) -> None:
     """K/V [T, kv_heads, d] into their slots of `layer` in a cache's `data` ([k|v, layer,
-    block, slot in block, kv head, head dim]). One index_copy_ writes K and V: cheaper than
-    two indexed assignments, which matters in a decode step, where every small op of every
-    layer runs between weight reads that have emptied the caches."""
+    block, slot in block, kv head, head dim])."""
     slots = data.select(1, layer).view(2, -1, *k.shape[1:])
-    slots.index_copy_(1, slot_mapping.long(), torch.stack((k, v)))
+    index = slot_mapping.long()
+    if len(k) <= STACKED_ROWS:
+        slots.index_copy_(1, index, torch.stack((k, v)))
+    else:
+        slots[0].index_copy_(0, index, k)
+        slots[1].index_copy_(0, index, v)

@@ -50,12 +50,15 @@ class Attention(nn.Module):
         self.o_proj = RowParallelLinear(range_times(shard.heads.q_heads, hd), cfg.hidden_size, tp,
                                         matmul=backend.linear)
 
-    def forward(self, x: torch.Tensor, ctx: StepContext, async_op: bool = False):
-        """[T, hidden] summed over ranks (or, `async_op`, that sum in flight)."""
+    def forward(self, x: torch.Tensor, ctx: StepContext, async_op: bool = False,
+                rows: torch.Tensor | None = None):
+        """[T, hidden] summed over ranks (or, `async_op`, that sum in flight); `rows`: only
+        those rows' output goes through o_proj (every row's K/V is stored all the same)."""
         q, k, v = (t.view(len(x), -1, self.head_dim) for t in self.qkv_proj.split(self.qkv_proj(x)))
         q, k = self.rotary_emb(ctx.positions, q, k)
         self.kv_store(k, v, ctx)
-        return self.o_proj(self.attn(q, k, v, ctx).flatten(1), async_op=async_op)
+        out = self.attn(q, k, v, ctx).flatten(1)
+        return self.o_proj(out if rows is None else out[rows], async_op=async_op)
 
     def load(self, read: TensorReader, prefix: str) -> None:
         self.qkv_proj.load(read, [f"{prefix}.q_proj", f"{prefix}.k_proj", f"{prefix}.v_proj"])
@@ -94,11 +97,12 @@ class DecoderLayer(nn.Module):
         return self.mlp_part(x, residual)
 
     def attention_part(self, x: torch.Tensor, residual: torch.Tensor | None, ctx: StepContext,
-                       async_op: bool = False):
+                       async_op: bool = False, rows: torch.Tensor | None = None):
         """Norm, attention, o_proj: (its output or, `async_op`, its all-reduce in flight,
-        the residual)."""
+        the residual); `rows`: those rows' only, of both."""
         x, residual = self.input_layernorm(x, residual)
-        return self.self_attn(x, ctx, async_op), residual
+        out = self.self_attn(x, ctx, async_op, rows)
+        return out, residual if rows is None else residual[rows]
 
     def mlp_part(self, x: torch.Tensor, residual: torch.Tensor, async_op: bool = False):
         """Norm, gate/up, SiLU·mul, down: (its output or its all-reduce in flight, residual)."""
@@ -114,13 +118,12 @@ class DecoderLayer(nn.Module):
 
 def last_layer(layer: DecoderLayer, x: torch.Tensor, residual: torch.Tensor | None,
                ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
-    """The last layer, its MLP over ctx.last_layer_rows only where the step sets them: the
-    output of (hidden, residual) has those rows, in their order."""
+    """The last layer, its o_proj and MLP over ctx.last_layer_rows only where the step sets
+    them: the output of (hidden, residual) has those rows, in their order."""
     rows = ctx.last_layer_rows
     if rows is None:
         return layer(x, residual, ctx)
-    x, residual = layer.attention_part(x, residual, ctx)
-    return layer.mlp_part(x[rows], residual[rows])
+    return layer.mlp_part(*layer.attention_part(x, residual, ctx, rows=rows))
 
 
 class CausalLM(nn.Module):
