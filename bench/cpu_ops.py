@@ -13,11 +13,13 @@ store and attention of one layer, compiled as the decode graph runs them: its te
 the block table against the fused kernel's one call, timed as the engine times them at start-up.
 The int8 LM head (every weights=... mode) for one row: torch's `_weight_int8pack_mm` against the
 engine's C++ row product (engine/rank/int8_rows). A prompt's products with plain weights against
-copies packed for its rows (engine.rank.gemm.PromptCopies). Runs alternate; the fastest of each
-is kept.
+copies packed for its rows (engine.rank.gemm.PromptCopies), and its gate/up products with their
+SiLU·mul as a product and a pass after it against oneDNN's fused halves (engine.rank.gemm.
+gated_halves). Runs alternate; the fastest of each is kept.
 
     .venv/bin/python -m bench.cpu_ops
     .venv/bin/python -m bench.cpu_ops --only-prompt-attention --fused-from REV
+    .venv/bin/python -m bench.cpu_ops --only-gated
 
 `--fused-from REV` adds the fused kernel as it was at git revision REV (built here the same way)
 beside today's, for a before/after in one run.
@@ -35,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import machine
-from engine.rank import fused_attention, int8_rows
+from engine.rank import fused_attention, int8_rows, ops
 from engine.rank.cpp_library import CppLibrary
 from engine.rank.blocked_attention import blocked_causal_attention
 from engine.rank import kernel_choice
@@ -130,6 +132,31 @@ def prompt_copies(rows: int, dtype: torch.dtype, repeats: int) -> dict[str, floa
                  "packed": lambda: [product(inputs[w.shape[1]], p)
                                     for w, p in zip(weights, packed)]}, repeats)
     return {name: flops / s / 1e9 for name, s in t.items()}
+
+
+def gated_products(rows: int, dtype: torch.dtype, repeats: int) -> dict[str, float]:
+    """A prompt's rows through 30 layers' gate/up products (distinct weights) with their
+    SiLU·mul: oneDNN on copies packed whole, then the SiLU·mul ("whole"), against packed
+    halves with the SiLU and the product applied by oneDNN as it writes ("halves",
+    engine.rank.gemm.gated_halves). Checked to agree first. GFLOP/s of the products."""
+    weights = [torch.randn(PROJECTIONS[2], dtype=dtype) / 8 for _ in range(30)]
+    whole = [gemm.pack_for_rows(w, rows) for w in weights]
+    halves = [[gemm.pack_for_rows(h.contiguous(), rows) for h in w.chunk(2)] for w in weights]
+    x = torch.randn(rows, PROJECTIONS[2][1], dtype=dtype)
+    fns = {"whole": lambda: [ops.silu_mul(gemm.eager_onednn_linear(x, w)) for w in whole],
+           "halves": lambda: [gemm.gated_halves(x, *h) for h in halves]}
+    a, b = fns["whole"]()[0].float(), fns["halves"]()[0].float()
+    torch.testing.assert_close(b, a, rtol=0, atol=2e-2 * a.abs().max().item())
+    flops = sum(2 * rows * w.numel() for w in weights)
+    return {name: flops / s / 1e9 for name, s in fastest(fns, repeats).items()}
+
+
+def gated(args: argparse.Namespace) -> None:
+    _table_row("gate/up + SiLU·mul", "whole GFLOP/s", "halves GFLOP/s", "halves / whole")
+    for dtype in (d for d in args.dtypes if gemm.onednn_runs(getattr(torch, d))):
+        for rows in (512, 2048):
+            r = gated_products(rows, getattr(torch, dtype), max(2, args.repeats // 3))
+            _table_row(f"{dtype}, {rows} rows", r["whole"], r["halves"], r["halves"] / r["whole"])
 
 
 def fused_attention_with(library) -> Callable[..., torch.Tensor]:
@@ -248,6 +275,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--only-prompt-attention", action="store_true")
+    ap.add_argument("--only-gated", action="store_true",
+                    help="only the gate/up products with their SiLU·mul, fused and not")
     ap.add_argument("--fused-from", metavar="REV",
                     help="time the fused prompt attention as it was at this git revision too")
     args = ap.parse_args()
@@ -255,8 +284,11 @@ def main() -> None:
     # graphs of one function, past which it would run the rest eagerly, unreported
     torch._dynamo.config.recompile_limit = 64
     print(f"{machine()}; best of {args.repeats}, alternating")
+    if args.only_gated:
+        return gated(args)
     if not args.only_prompt_attention:
         other_ops(args)
+        gated(args)
     prompt_attention(args)
 
 
