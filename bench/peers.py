@@ -6,6 +6,7 @@ each round in turn (`interleaved` says what is timed), one call running at a tim
 
     bash scripts/setup_peers.sh            # once, opt-in: vLLM and llama.cpp in venvs of their own
     .venv/bin/python -m bench.peers --dtypes float32 bfloat16 --out peers.jsonl
+    .venv/bin/python -m bench.peers --systems engine vllm --engine-from REV   # before/after
 
 Weights: the engine and transformers read the shipped Q4_1 GGUF dequantized; vLLM reads an HF
 directory saved from it by transformers (the same values); llama.cpp reads F32 / BF16 GGUFs
@@ -31,6 +32,23 @@ from engine.plan import COMPILE_ENV
 
 PEERS_DIR = Path(os.environ.get("PEERS_DIR", Path.home() / ".cache" / "prefill-engine" / "peers"))
 RUNNER = Path(__file__).with_name("peer_run.py")
+REPO = RUNNER.parents[1]
+
+
+def checkout(rev: str, work: Path) -> Path:
+    """The repository at git revision `rev`, checked out (detached) under `work`, for
+    --engine-from; remove it with `remove_checkout`."""
+    folder = work / f"engine-at-{rev}"
+    done = subprocess.run(["git", "worktree", "add", "--detach", str(folder), rev], cwd=REPO,
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"--engine-from {rev}: git could not check it out: {done.stderr.strip()}")
+    return folder
+
+
+def remove_checkout(folder: Path) -> None:
+    subprocess.run(["git", "worktree", "remove", "--force", str(folder)], cwd=REPO,
+                   capture_output=True)
 
 
 def default_label() -> str:
@@ -39,12 +57,18 @@ def default_label() -> str:
     return f"engine, default ({COMPILE_ENV}={setting})" if setting else "engine, default"
 
 
-def rows_to_run(systems: list[str], dtypes: list[str]) -> list[dict]:
-    """(label, system, dtype, weights form, settings) for every row of the table."""
+def rows_to_run(systems: list[str], dtypes: list[str],
+                engine_from: dict[str, Path] | None = None) -> list[dict]:
+    """(label, system, dtype, weights form, settings) for every row of the table;
+    `engine_from`: git revisions whose engine runs beside today's, each from its checkout
+    (`root`), with its own default settings."""
     rows = []
     for dtype in dtypes:
         if "engine" in systems:
             rows.append(dict(label=default_label(), system="engine", dtype=dtype, form="gguf"))
+        for rev, root in (engine_from or {}).items():
+            rows.append(dict(label=f"engine at {rev}", system="engine", dtype=dtype,
+                             form="gguf", root=str(root)))
         if "engine-fixed" in systems:  # the built-in kernels, untimed: what measuring gains
             rows.append(dict(label="engine, kernel_choice=fixed", system="engine", dtype=dtype,
                              form="gguf", settings={"kernel_choice": "fixed"}))
@@ -161,14 +185,16 @@ class Peer:
 
     def __init__(self, row: dict, path: str, work: Path, threads: int):
         dtype = "float32" if row["dtype"] == "q4_1" else row["dtype"]
-        cmd = [str(interpreter(row["system"])), str(RUNNER), "--system", row["system"],
+        # an engine at another revision: its checkout's runner, which imports that engine
+        runner = Path(row["root"]) / RUNNER.relative_to(REPO) if "root" in row else RUNNER
+        cmd = [str(interpreter(row["system"])), str(runner), "--system", row["system"],
                "--dtype", dtype, "--model", path, "--threads", str(threads),
                "--settings", json.dumps(row.get("settings", {}))]
         self.row, self.log = row, work / f"{len(list(work.glob('*.log')))}.log"
         with open(self.log, "w") as log:  # a file: a full stderr pipe would stall the peer
             self.process = subprocess.Popen(cmd, env=peer_env(row["system"], threads),
                                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                            stderr=log, text=True, cwd=RUNNER.parents[1])
+                                            stderr=log, text=True, cwd=runner.parents[1])
         self.start_s = self._answer("READY ")["start_s"]
 
     def call(self, ids: list[int], n: int) -> tuple[float, list[int]]:
@@ -311,8 +337,20 @@ def main() -> None:
     ap.add_argument("--lengths", type=int, nargs="+", default=[512, 2048], help="prefill tokens")
     ap.add_argument("--decode-prompt", type=int, default=256)
     ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--engine-from", nargs="+", default=[], metavar="REV",
+                    help="also run the engine as it was at these git revisions (a before/after "
+                         "in one run)")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="peers-"))
+    engine_from = {rev: checkout(rev, work) for rev in args.engine_from}
+    try:
+        run(args, work, engine_from)
+    finally:
+        for folder in engine_from.values():
+            remove_checkout(folder)
+
+
+def run(args: argparse.Namespace, work: Path, engine_from: dict[str, Path]) -> None:
     inputs, vocab = work / "inputs.json", open_checkpoint(args.model).config.vocab_size
     inputs.write_text(json.dumps({"prefill": {str(n): random_ids(n, vocab, seed=n)
                                               for n in args.lengths},
@@ -320,7 +358,7 @@ def main() -> None:
                                   "decode_tokens": args.decode_tokens}))
     print(f"{machine()}; {args.threads} threads per system; best of {args.repeats} "
           f"interleaved rounds", flush=True)
-    rows, results = rows_to_run(args.systems, args.dtypes), []
+    rows, results = rows_to_run(args.systems, args.dtypes, engine_from), []
     with open(args.out, "w") as out:
         for group in dtype_groups(rows):  # one dtype's processes at a time
             peers = start_peers(group, work, args)

@@ -122,8 +122,8 @@ def test_a_machine_without_it_keeps_torchs_kernel(monkeypatch, tmp_path, caplog)
 def test_an_engine_where_it_wins_runs_it_and_keeps_the_tokens(tiny_model_dir, monkeypatch,
                                                               tmp_path, compile):
     """weights="int8", the kernel made to win every shape: each decode step runs it for every
-    projection of every layer and the LM head (so does the prompt's LM head, on its one sampling
-    row), and the greedy tokens are torch's kernel's."""
+    projection of every layer and the LM head (so do the prompt's last o_proj and MLP and its LM
+    head, on its one sampling row), and the greedy tokens are torch's kernel's."""
     import json
 
     from engine import LLM, SamplingParams
@@ -161,6 +161,7 @@ def test_an_engine_where_it_wins_runs_it_and_keeps_the_tokens(tiny_model_dir, mo
     head_dim = hidden // heads
     layer = [(heads + 2 * kv_heads) * head_dim, hidden, 2 * config["intermediate_size"], hidden]
     step = layer * config["num_hidden_layers"] + [config["vocab_size"]]
-    # the prompt's last MLP and LM head (its one sampling row), then the 3 decode steps
-    assert calls == layer[2:] + [config["vocab_size"]] + step * 3
+    # the prompt's last o_proj and MLP and the LM head (its one sampling row), then the 3
+    # decode steps
+    assert calls == layer[1:] + [config["vocab_size"]] + step * 3
     assert tokens["measure"] == tokens["fixed"]

@@ -37,6 +37,39 @@ def test_engine_and_transformers_rows_agree_and_a_missing_peer_is_named(tmp_path
     assert done.stdout.count("skipped llama.cpp") == 3  # f32 with and without flash-attn, Q4_1
 
 
+def test_the_engine_at_another_revision_runs_from_its_own_checkout(tmp_path, tiny_model_dir,
+                                                                    monkeypatch):
+    """--engine-from REV: a row of the engine as checked out at REV, run by that checkout's
+    runner (so its own engine package), beside today's, greedy tokens equal; the checkout is
+    gone afterwards. HEAD stands in for an older revision (a clean clone has no other)."""
+    out = tmp_path / "peers.jsonl"
+    made = []
+    checkout = peers.checkout
+    monkeypatch.setattr(peers, "checkout",
+                        lambda rev, work: made.append(checkout(rev, work)) or made[-1])
+    monkeypatch.setattr(sys, "argv", [
+        "bench.peers", "--model", str(tiny_model_dir("llama")), "--systems", "engine",
+        "--engine-from", "HEAD", "--dtypes", "float32", "--repeats", "1", "--lengths", "16",
+        "--decode-prompt", "12", "--decode-tokens", "4", "--out", str(out)])
+    runners = []
+    popen = subprocess.Popen
+
+    def recorded(cmd, **kw):  # the runner scripts of the peers started
+        if str(cmd[1]).endswith("peer_run.py"):
+            runners.append(cmd[1])
+        return popen(cmd, **kw)
+
+    monkeypatch.setattr(peers.subprocess, "Popen", recorded)
+    peers.main()
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["label"] for r in rows][1:] == ["engine at HEAD"]
+    assert rows[0]["decode_tokens"] == rows[1]["decode_tokens"]
+    assert rows[0]["first_tokens"] == rows[1]["first_tokens"]
+    [folder] = made
+    assert runners == [str(peers.RUNNER), str(folder / "bench" / "peer_run.py")]
+    assert not folder.exists()  # removed with the run
+
+
 def _spinner(seconds: float) -> subprocess.Popen:
     """A process keeping one core busy for `seconds`."""
     return subprocess.Popen([sys.executable, "-c", "import time\nt = time.monotonic()\n"

@@ -79,9 +79,9 @@ PROMPT_COPY_MARGIN = 1.02
 # machine has available at start-up (a large model's would leave too little for the rest)
 PROMPT_COPY_MEMORY = 0.5
 # A prompt's gate/up product applies the SiLU·mul inside oneDNN (engine.rank.gemm.gated_halves)
-# where timed this much faster than the packed product and a SiLU·mul pass: the same copies'
-# bytes either way, and no wrong answer either way; 2-15 % faster in a /tmp timing on the
-# AVX512-BF16 EPYC at 512 rows (float32 the least)
+# where timed faster than the packed product and a SiLU·mul pass, by any margin: both hold the
+# same copies' bytes and give the same answer to rounding, so a wrong pick costs a few % at
+# most (they tie at 512 rows on the AVX512-BF16 EPYC, BENCHMARKS.md session 47)
 GATED_MARGIN = 1.0
 
 
