@@ -268,6 +268,23 @@ def _gated_timed(monkeypatch, winner: str) -> list[tuple[int, int]]:
     return timed
 
 
+def _both_choices(path: str, compile: bool, recorded: list) -> tuple[dict, dict, dict, dict]:
+    """With kernel_choice "measure", then "fixed": the rank's info, the logits of a prefill of
+    two prompts (one step of 45 rows), the tokens generate gives them (prefix cached: a
+    13-row prompt step, then 2-row decode steps), and what `recorded` gathered meanwhile."""
+    prompts = [[5, 9, 2, 7, 11, 3, 8, 1] * 3, [4, 4, 6] * 7]
+    outs, infos, logits, seen = {}, {}, {}, {}
+    for choice in ("measure", "fixed"):
+        with LLM(path, kernel_choice=choice, max_num_batched_tokens=64, compile=compile) as llm:
+            [infos[choice]] = llm.rank_info()
+            recorded.clear()
+            logits[choice] = [o.logits for o in llm.prefill(prompts)]
+            generated = llm.generate(prompts, SamplingParams(max_tokens=6))
+            outs[choice] = [o.token_ids for o in generated]
+            seen[choice] = list(recorded)
+    return outs, infos, logits, seen
+
+
 def _prompt_copies_timed(monkeypatch, speedup: float) -> list[int]:
     """Prompt copies timed `speedup` times faster than the plain weights; the rows timed."""
     rows = []
@@ -366,19 +383,9 @@ def test_prompts_read_packed_copies_where_they_won(tiny_model_dir, cache, monkey
     find = copies.find
     monkeypatch.setattr(copies, "find",
                         lambda w: find(w) if find(w) is w else read.append(len(w)) or find(w))
-    path = str(tiny_model_dir("llama"))
-    prompts = [[5, 9, 2, 7, 11, 3, 8, 1] * 3, [4, 4, 6] * 7]
-    outs, infos, logits, reads = {}, {}, {}, {}
     _prompt_copies_timed(monkeypatch, 2.0)
     _gated_timed(monkeypatch, "whole")  # gate/up keeps its whole copy here
-    for choice in ("measure", "fixed"):
-        with LLM(path, kernel_choice=choice, max_num_batched_tokens=64, compile=compile) as llm:
-            [infos[choice]] = llm.rank_info()
-            read.clear()
-            logits[choice] = [o.logits for o in llm.prefill(prompts)]
-            generated = llm.generate(prompts, SamplingParams(max_tokens=6))
-            outs[choice] = [o.token_ids for o in generated]
-            reads[choice] = list(read)
+    outs, infos, logits, reads = _both_choices(str(tiny_model_dir("llama")), compile, read)
     cfg = json.loads((tiny_model_dir("llama") / "config.json").read_text())
     h, ffn, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
     kv = cfg["num_key_value_heads"] * h // cfg["num_attention_heads"]
@@ -722,17 +729,7 @@ def test_prompts_fuse_the_silu_mul_where_packed_halves_won(tiny_model_dir, cache
                         lambda x, g, u: fused_rows.append(len(x)) or fused(x, g, u))
     _prompt_copies_timed(monkeypatch, 2.0)
     timed = _gated_timed(monkeypatch, "halves")
-    path = str(tiny_model_dir("llama"))
-    prompts = [[5, 9, 2, 7, 11, 3, 8, 1] * 3, [4, 4, 6] * 7]
-    outs, infos, logits, runs = {}, {}, {}, {}
-    for choice in ("measure", "fixed"):
-        with LLM(path, kernel_choice=choice, max_num_batched_tokens=64, compile=compile) as llm:
-            [infos[choice]] = llm.rank_info()
-            fused_rows.clear()
-            logits[choice] = [o.logits for o in llm.prefill(prompts)]
-            generated = llm.generate(prompts, SamplingParams(max_tokens=6))
-            outs[choice] = [o.token_ids for o in generated]
-            runs[choice] = list(fused_rows)
+    outs, infos, logits, runs = _both_choices(str(tiny_model_dir("llama")), compile, fused_rows)
     cfg = json.loads((tiny_model_dir("llama") / "config.json").read_text())
     h, ffn, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
     assert timed == [(64, 2 * ffn)]  # one timing, at the copies' rows, of the gate/up shape
