@@ -84,6 +84,9 @@ def rows_to_run(systems: list[str], dtypes: list[str],
         if "engine-compile" in systems:
             rows.append(dict(label="engine, compile=True", system="engine", dtype=dtype,
                              form="gguf", settings={"compile": True}))
+        if "engine-thp" in systems:  # torch's tensors of 2 MB or more on transparent huge pages
+            rows.append(dict(label="engine, THP_MEM_ALLOC_ENABLE=1", system="engine",
+                             dtype=dtype, form="gguf", env={"THP_MEM_ALLOC_ENABLE": "1"}))
         if "transformers" in systems:
             rows.append(dict(label="transformers", system="transformers", dtype=dtype, form="gguf"))
         if "vllm" in systems:
@@ -106,8 +109,9 @@ def interpreter(system: str) -> Path | None:
     return python if python.exists() else None
 
 
-def peer_env(system: str, threads: int) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+def peer_env(system: str, threads: int, extra: dict | None = None) -> dict:
+    """The environment of a system's process; `extra`: a row's own variables."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), **(extra or {})}
     if system == "vllm":
         # as vLLM's CPU guide runs it: every core for its workers (its default keeps one back
         # for the scheduler), tcmalloc and Intel's OpenMP preloaded where present
@@ -192,7 +196,7 @@ class Peer:
                "--settings", json.dumps(row.get("settings", {}))]
         self.row, self.log = row, work / f"{len(list(work.glob('*.log')))}.log"
         with open(self.log, "w") as log:  # a file: a full stderr pipe would stall the peer
-            self.process = subprocess.Popen(cmd, env=peer_env(row["system"], threads),
+            self.process = subprocess.Popen(cmd, env=peer_env(row["system"], threads, row.get("env")),
                                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                             stderr=log, text=True, cwd=runner.parents[1])
         self.start_s = self._answer("READY ")["start_s"]
@@ -327,8 +331,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--systems", nargs="+", default=["engine", "transformers", "vllm", "llamacpp"],
                     choices=["engine", "engine-fixed", "engine-int8", "engine-gguf",
-                             "engine-eager", "engine-compile", "transformers", "vllm",
-                             "llamacpp"])
+                             "engine-eager", "engine-compile", "engine-thp", "transformers",
+                             "vllm", "llamacpp"])
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--repeats", type=int, default=5)

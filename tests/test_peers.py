@@ -9,6 +9,9 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+import pytest
 
 from bench import peers
 from bench.peers import wait_until_quiet
@@ -68,6 +71,22 @@ def test_the_engine_at_another_revision_runs_from_its_own_checkout(tmp_path, tin
     [folder] = made
     assert runners == [str(peers.RUNNER), str(folder / "bench" / "peer_run.py")]
     assert not folder.exists()  # removed with the run
+
+
+def test_the_thp_row_puts_the_engines_large_tensors_on_huge_pages():
+    """--systems engine-thp: the row's process gets THP_MEM_ALLOC_ENABLE=1, under which torch
+    advises its tensors of 2 MB or more onto transparent huge pages (a 64 MB one lands there);
+    the default row's process does not set it."""
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if not thp.exists() or "[never]" in thp.read_text():
+        pytest.skip("this kernel has transparent huge pages off")
+    [plain, row] = peers.rows_to_run(["engine", "engine-thp"], ["float32"])
+    assert "THP_MEM_ALLOC_ENABLE" not in peers.peer_env("engine", 2, plain.get("env"))
+    probe = ("import torch\nx = torch.ones(16 * 2**20)\n"
+             "print(open('/proc/self/smaps_rollup').read().split('AnonHugePages:')[1].split()[0])")
+    huge_kb = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                             check=True, env=peers.peer_env("engine", 2, row["env"])).stdout
+    assert int(huge_kb) >= 32 * 1024, huge_kb
 
 
 def _spinner(seconds: float) -> subprocess.Popen:
