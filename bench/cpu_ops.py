@@ -141,7 +141,7 @@ def gated_products(rows: int, dtype: torch.dtype, repeats: int) -> dict[str, flo
     engine.rank.gemm.gated_halves). Checked to agree first. GFLOP/s of the products."""
     weights = [torch.randn(PROJECTIONS[2], dtype=dtype) / 8 for _ in range(30)]
     whole = [gemm.pack_for_rows(w, rows) for w in weights]
-    halves = [[gemm.pack_for_rows(h.contiguous(), rows) for h in w.chunk(2)] for w in weights]
+    halves = [gemm.pack_halves(w, rows) for w in weights]
     x = torch.randn(rows, PROJECTIONS[2][1], dtype=dtype)
     fns = {"whole": lambda: [ops.silu_mul(gemm.eager_onednn_linear(x, w)) for w in whole],
            "halves": lambda: [gemm.gated_halves(x, *h) for h in halves]}

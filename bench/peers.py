@@ -196,8 +196,9 @@ class Peer:
                "--settings", json.dumps(row.get("settings", {}))]
         self.row, self.log = row, work / f"{len(list(work.glob('*.log')))}.log"
         with open(self.log, "w") as log:  # a file: a full stderr pipe would stall the peer
-            self.process = subprocess.Popen(cmd, env=peer_env(row["system"], threads, row.get("env")),
-                                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            env = peer_env(row["system"], threads, row.get("env"))
+            self.process = subprocess.Popen(cmd, env=env, stdin=subprocess.PIPE,
+                                            stdout=subprocess.PIPE,
                                             stderr=log, text=True, cwd=runner.parents[1])
         self.start_s = self._answer("READY ")["start_s"]
 

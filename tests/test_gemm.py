@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.rank import gemm
-from tests.cpu_features import needs_onednn_bf16
+from tests.cpu_features import needs_onednn, needs_onednn_bf16
 
 
 def _reference(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
@@ -129,16 +129,15 @@ def _gated_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-@pytest.mark.skipif(not gemm.HAVE_ONEDNN, reason="this torch build has no oneDNN")
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@needs_onednn
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5),
+                                       pytest.param(torch.bfloat16, 2e-2, marks=needs_onednn_bf16)])
 def test_gated_halves_match_float64(dtype, tol):
     """oneDNN's product of packed gate and up halves, with the SiLU and the product applied as
     it writes: the float64 formula, at a prompt's rows and at a few rows."""
-    if dtype == torch.bfloat16 and not gemm.HAVE_ONEDNN_BF16:
-        pytest.skip("oneDNN builds no bf16 products on this CPU (AVX2 only)")
     gen = torch.Generator().manual_seed(3)
     w = (torch.randn(160, 96, generator=gen) / 4).to(dtype)
-    halves = [gemm.pack_for_rows(h.contiguous(), 64) for h in w.chunk(2)]
+    halves = gemm.pack_halves(w, 64)
     for rows in (3, 300):
         x = torch.randn(rows, 96, generator=gen).to(dtype)
         y, ref = gemm.gated_halves(x, *halves), _gated_reference(x, w)
@@ -146,7 +145,7 @@ def test_gated_halves_match_float64(dtype, tol):
         torch.testing.assert_close(y.double(), ref, rtol=0, atol=tol * max(1.0, float(ref.abs().max())))
 
 
-@pytest.mark.skipif(not gemm.HAVE_ONEDNN, reason="this torch build has no oneDNN")
+@needs_onednn
 @pytest.mark.parametrize("compiled", [False, True])
 def test_gated_product_reads_halves_until_the_weight_is_written(monkeypatch, compiled):
     """A gate/up weight registered with halves: a prompt's rows go through them (eagerly and

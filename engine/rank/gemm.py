@@ -120,8 +120,7 @@ class PromptCopies:
             if weight.is_inference():  # no version to tell a weight written since
                 continue
             plain = weight.detach()
-            packed = (tuple(pack_for_rows(half.contiguous(), rows) for half in plain.chunk(2))
-                      if halves else pack_for_rows(plain, rows))
+            packed = pack_halves(plain, rows) if halves else pack_for_rows(plain, rows)
             self._entries[weight.data_ptr()] = (weight, weight._version, packed)
             nbytes += weight.nbytes
         return nbytes
@@ -216,6 +215,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight,
     if compiling:
         return onednn_linear(x, weight, bias)
     return eager_onednn_linear(x, weight, bias)
+
+
+def pack_halves(weight: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The weight's first and second halves of rows (a gate/up weight's gate and up), each
+    packed for products of about `rows` rows: what gated_halves multiplies."""
+    gate, up = (pack_for_rows(half.contiguous(), rows) for half in weight.chunk(2))
+    return gate, up
 
 
 def pack_for_rows(weight: torch.Tensor, rows: int) -> torch.Tensor:

@@ -499,7 +499,7 @@ class KernelChoice:
         """Where prompts read packed copies of the gate/up weight, time its product at their
         rows with the SiLU·mul fused into oneDNN's (packed halves) and after it (packed
         whole); `gated_prompt_shape` says where fused won (the rank packs halves instead)."""
-        shape = tuple(gate_up_shape) if gate_up_shape is not None else None
+        shape = gate_up_shape
         if shape not in self.packed_prompt_shapes or shape[0] % 2:
             return
         weight = one_per_shape(weights)[shape]
@@ -557,7 +557,7 @@ def _time_gated(weight: torch.Tensor, rows: int) -> dict[str, float]:
     whole, then the SiLU·mul ("whole"), and on packed halves, the SiLU·mul applied inside
     ("halves")."""
     whole = gemm.pack_for_rows(weight, rows)
-    halves = [gemm.pack_for_rows(half.contiguous(), rows) for half in weight.chunk(2)]
+    halves = gemm.pack_halves(weight, rows)
     x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
     return fastest({"whole": lambda: ops.silu_mul(gemm.eager_onednn_linear(x, whole)),
                     "halves": lambda: gemm.gated_halves(x, *halves)})
