@@ -84,7 +84,8 @@ def rows_to_run(systems: list[str], dtypes: list[str],
         if "engine-compile" in systems:
             rows.append(dict(label="engine, compile=True", system="engine", dtype=dtype,
                              form="gguf", settings={"compile": True}))
-        if "engine-thp" in systems:  # torch's tensors of 2 MB or more on transparent huge pages
+        if "engine-thp" in systems:  # every torch tensor of 2 MB or more on transparent huge
+            # pages (activations, the KV cache), not only the weights the engine moves itself
             rows.append(dict(label="engine, THP_MEM_ALLOC_ENABLE=1", system="engine",
                              dtype=dtype, form="gguf", env={"THP_MEM_ALLOC_ENABLE": "1"}))
         if "transformers" in systems:

@@ -92,6 +92,7 @@ class RankInfo:
     weight_digest_s: float  # of load_s: digesting them (engine/loading/weight_digest.py)
     kernels: list[str]  # the CPU kernels timed and picked per shape (engine.rank.kernel_choice)
     kernel_choice_s: float  # start-up seconds spent timing them (~0 when kept on disk)
+    huge_page_bytes: int  # of the weights, moved onto transparent huge pages (CPU; host_memory)
 
     def to_dict(self) -> dict:
         return asdict(self)

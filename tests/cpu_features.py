@@ -1,6 +1,8 @@
 """What this CPU can run, for tests of features it is refused."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from engine.rank import gemm
@@ -13,3 +15,15 @@ needs_onednn_bf16 = pytest.mark.skipif(
 
 # packed prompt copies are oneDNN's layout: a torch build without oneDNN never makes them
 needs_onednn = pytest.mark.skipif(not gemm.HAVE_ONEDNN, reason="this torch has no oneDNN")
+
+# transparent huge pages: a kernel built without them, or with them set to `never`
+_THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+HUGE_PAGES_ON = _THP.exists() and "[never]" not in _THP.read_text()
+needs_huge_pages = pytest.mark.skipif(
+    not HUGE_PAGES_ON, reason="this kernel has transparent huge pages off")
+
+
+def huge_page_kb(pid: int | str = "self") -> int:
+    """A process's anonymous memory on transparent huge pages, in KiB (Linux)."""
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        return int(f.read().split("AnonHugePages:")[1].split()[0])

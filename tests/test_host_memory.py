@@ -4,12 +4,17 @@ thread started afterwards (the step thread of in-process ranks) allocates from t
 heap rather than from an arena of its own."""
 from __future__ import annotations
 
+import ctypes
 import os
 import platform
 import subprocess
 import sys
 
 import pytest
+import torch
+
+from engine.rank.host_memory import MERGED_GAP, huge_page_spans
+from tests.cpu_features import huge_page_kb, needs_huge_pages, needs_onednn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # mallinfo2().hblks: blocks glibc mapped on their own; read while an 8 MiB tensor is alive
@@ -67,3 +72,56 @@ def test_a_later_thread_allocates_from_the_main_heap():
     applied, arenas = _arenas("default")
     assert applied == "None" and arenas > 1  # threads (this one, torch's) made arenas
     assert _arenas("keep") == ("True", 1)
+
+
+def test_huge_page_spans_are_the_whole_pages_inside_neighbouring_storages():
+    """Storages less than MERGED_GAP apart (the heap's neighbours) count as one span, which
+    gives the 2 MiB pages it holds whole: two that hold no whole page alone give one together;
+    a storage further off gives its own."""
+    mib = 2**20
+    assert MERGED_GAP < 3 * mib
+    buffer = ctypes.create_string_buffer(16 * mib)
+    base = -(-ctypes.addressof(buffer) // (2 * mib)) * (2 * mib)  # the first 2 MiB boundary
+    offset = base - ctypes.addressof(buffer)
+
+    def at(start: int, nbytes: int) -> torch.Tensor:  # a storage of its own at base + start
+        return torch.frombuffer(buffer, dtype=torch.uint8, count=nbytes, offset=offset + start)
+
+    first, second = at(mib, 3 * mib // 2), at(3 * mib, 3 * mib // 2)  # 0.5 MiB apart
+    far = at(15 * mib // 2, 3 * mib)  # 3 MiB after the second ends
+    assert huge_page_spans([first]) == huge_page_spans([second]) == []
+    assert huge_page_spans([far, second, second[10:], first]) == [
+        (base + 2 * mib, base + 4 * mib), (base + 8 * mib, base + 10 * mib)]
+
+
+MOVE_PROBE = """
+import sys, torch
+from engine.rank import gemm
+from engine.rank.host_memory import back_with_huge_pages
+from tests.cpu_features import huge_page_kb
+torch.manual_seed(0)
+weight, x = torch.randn(4096, 2048), torch.randn(3, 2048)  # a 32 MiB weight, in 4 KiB pages
+if sys.argv[1] == "packed":  # in oneDNN's layout: a buffer torch sees no storage of
+    weight = gemm.pack_for_rows(weight, 512)
+before, product = huge_page_kb(), gemm.linear(x, weight)
+moved = back_with_huge_pages([weight])
+print(moved, huge_page_kb() - before, torch.equal(gemm.linear(x, weight), product))
+"""
+
+
+@pytest.mark.parametrize("layout", ["plain", pytest.param("packed", marks=needs_onednn)])
+@needs_huge_pages
+def test_a_large_weight_moves_onto_huge_pages_with_its_values(layout):
+    moved, gained_kb, same = _probe(MOVE_PROBE, layout).stdout.split()
+    assert int(moved) >= 30 * 2**20  # the 15 whole 2 MiB pages of any 32 MiB span
+    assert int(gained_kb) * 1024 >= int(moved)
+    assert same == "True"  # the product reads the same values after the move
+
+
+@needs_huge_pages
+def test_an_engines_weights_sit_on_huge_pages(smollm2_llm):
+    """SmolLM2's float32 weights are 538 MB (134.5M parameters); the rank moved most of them,
+    and the process's huge pages hold at least what it says."""
+    [info] = smollm2_llm.rank_info()
+    assert 384 * 2**20 <= info.huge_page_bytes <= info.weight_bytes
+    assert huge_page_kb(info.pid) * 1024 >= info.huge_page_bytes

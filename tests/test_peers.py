@@ -15,6 +15,7 @@ import pytest
 
 from bench import peers
 from bench.peers import wait_until_quiet
+from tests.cpu_features import needs_huge_pages
 from tests.subproc import ROOT
 
 
@@ -73,13 +74,11 @@ def test_the_engine_at_another_revision_runs_from_its_own_checkout(tmp_path, tin
     assert not folder.exists()  # removed with the run
 
 
+@needs_huge_pages
 def test_the_thp_row_puts_the_engines_large_tensors_on_huge_pages():
     """--systems engine-thp: the row's process gets THP_MEM_ALLOC_ENABLE=1, under which torch
     advises its tensors of 2 MB or more onto transparent huge pages (a 64 MB one lands there);
     the default row's process does not set it."""
-    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
-    if not thp.exists() or "[never]" in thp.read_text():
-        pytest.skip("this kernel has transparent huge pages off")
     [plain, row] = peers.rows_to_run(["engine", "engine-thp"], ["float32"])
     assert "THP_MEM_ALLOC_ENABLE" not in peers.peer_env("engine", 2, plain.get("env"))
     probe = ("import torch\nx = torch.ones(16 * 2**20)\n"

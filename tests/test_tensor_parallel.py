@@ -13,6 +13,7 @@ STEPS = 32
 
 
 from engine.loading.synthetic import random_token_ids as _ids
+from tests.cpu_features import HUGE_PAGES_ON, huge_page_kb
 
 
 def _run(llm: LLM, ids: list[int]) -> dict:
@@ -64,6 +65,10 @@ def test_smollm2_matches_single_rank(ray_cluster, smollm2_llm, tp):
     ref = _run(smollm2_llm, ids)
     with LLM("smollm2", tp=tp) as llm:
         _assert_same_as_single_rank(ref, _run(llm, ids), llm)
+        if HUGE_PAGES_ON:  # each actor moved its shard's weights (engine.rank.host_memory)
+            for info in llm.rank_info():
+                assert info.huge_page_bytes >= 2**27, info
+                assert huge_page_kb(info.pid) * 1024 >= info.huge_page_bytes
 
 
 def test_data_parallel_replicas_serve_every_request(ray_cluster, uneven):

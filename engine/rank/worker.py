@@ -23,7 +23,7 @@ from engine.rank.compiled import DECODE_BUCKETS, CompiledModel
 from engine.rank.context_parallel import ContextParallelSteps, context_parallel_backend
 from engine.rank.decode_weights import decode_view
 from engine.rank import gemm
-from engine.rank.host_memory import keep_freed_memory
+from engine.rank.host_memory import back_with_huge_pages, keep_freed_memory
 from engine.rank.kernels.launch_config import tuning_steps
 from engine.rank.kernel_choice import (STREAMED_ROWS, KernelChoice, machine_key,
                                       projection_weights)
@@ -84,6 +84,7 @@ class Worker:
         self.kernel_choice_s = self._measure_kernels() if plan.measure_kernels else 0.0
         self.decode_model, self.decode_bytes = self._decode_view()
         self.prompt_copy_bytes = self._make_prompt_copies()
+        self.huge_page_bytes = 0 if plan.on_cuda else back_with_huge_pages(self._decode_tensors())
         self.cache = KVCache(plan.model.num_layers, plan.num_blocks, plan.block_size,
                              shard.heads.num_kv_heads, plan.model.head_dim, plan.dtype, self.device)
         self.kv_head_of_q = mapping = shard.heads.kv_head_of_q_head()
@@ -152,6 +153,11 @@ class Worker:
             return decode_view(self.model, self.tp, plan.dtype,
                                shapes=self.kernels.packed_decode_shapes)
         return None, 0
+
+    def _decode_tensors(self) -> list[torch.Tensor]:
+        """Every tensor a decode step reads besides the KV cache (the model's, its decode view's)."""
+        views = [self.model] if self.decode_model is None else [self.model, self.decode_model]
+        return [t for view in views for t in (*view.parameters(), *view.buffers())]
 
     def _make_prompt_copies(self) -> int:
         """Packed copies of the projections whose shapes KernelChoice timed faster so for a
@@ -324,7 +330,7 @@ class Worker:
                         self.cache.nbytes, os.getpid(),
                         self.compiled is not None and self.compiled.usable, self.warmup_s,
                         self.load_s, self.digest.seconds, self.kernels.describe(),
-                        self.kernel_choice_s)
+                        self.kernel_choice_s, self.huge_page_bytes)
 
     def weight_digest(self) -> Slices:
         """The digests of every weight slice this rank loaded (the driver combines them)."""
