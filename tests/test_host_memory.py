@@ -95,7 +95,7 @@ def test_huge_page_spans_are_the_whole_pages_inside_neighbouring_storages():
 
 
 MOVE_PROBE = """
-import sys, torch
+import ctypes, sys, torch
 from engine.rank import gemm
 from engine.rank.host_memory import back_with_huge_pages
 from tests.cpu_features import huge_page_kb
@@ -103,6 +103,8 @@ torch.manual_seed(0)
 weight, x = torch.randn(4096, 2048), torch.randn(3, 2048)  # a 32 MiB weight, in 4 KiB pages
 if sys.argv[1] == "packed":  # in oneDNN's layout: a buffer torch sees no storage of
     weight = gemm.pack_for_rows(weight, 512)
+if sys.argv[1] == "refused":  # this process may have no huge pages (PR_SET_THP_DISABLE)
+    assert ctypes.CDLL("libc.so.6").prctl(41, 1, 0, 0, 0) == 0
 before, product = huge_page_kb(), gemm.linear(x, weight)
 moved = back_with_huge_pages([weight])
 print(moved, huge_page_kb() - before, torch.equal(gemm.linear(x, weight), product))
@@ -116,6 +118,11 @@ def test_a_large_weight_moves_onto_huge_pages_with_its_values(layout):
     assert int(moved) >= 30 * 2**20  # the 15 whole 2 MiB pages of any 32 MiB span
     assert int(gained_kb) * 1024 >= int(moved)
     assert same == "True"  # the product reads the same values after the move
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="prctl through glibc")
+def test_a_process_refused_huge_pages_moves_nothing_and_keeps_its_values():
+    assert _probe(MOVE_PROBE, "refused").stdout.split() == ["0", "0", "True"]
 
 
 @needs_huge_pages

@@ -1,5 +1,5 @@
 """A CPU rank's memory: freed activations kept for reuse instead of handed back to the OS, and
-the weights and the KV cache on transparent huge pages (back_with_huge_pages, below).
+the weights on transparent huge pages (back_with_huge_pages, below).
 
 glibc serves a request above its mmap threshold with fresh pages and unmaps them when the
 block is freed, so a prompt's temporaries (megabytes each: projections' outputs, attention
@@ -84,21 +84,12 @@ def _madvise() -> Callable[[int, int, int], int] | None:
     return madvise
 
 
-def ask_for_huge_pages(tensors: Iterable[torch.Tensor]) -> None:
-    """Pages of the tensors' memory first touched from now on come as transparent huge pages
-    (MADV_HUGEPAGE), where the system's THP setting is `madvise` or `always`: for memory
-    allocated but not yet written, such as the KV cache between torch.empty and its zeroing."""
-    madvise = _madvise()
-    for start, end in huge_page_spans(tensors) if madvise is not None else ():
-        madvise(start, end - start, _MADV_HUGEPAGE)
-
-
 def back_with_huge_pages(tensors: Iterable[torch.Tensor]) -> int:
     """Move the tensors' memory onto transparent huge pages now, as far as Linux can: a
     decode step streams every weight once, and with 4 KB pages half a gigabyte of weights is
     ~130k TLB misses a step (the decode figures: BENCHMARKS.md, session 48); prompts, which
     reuse each weight across their rows, gain nothing measurable. The weights sit in pages
-    already touched, which asking for huge pages (ask_for_huge_pages) alone would leave to
+    already touched, which asking for huge pages (MADV_HUGEPAGE) alone would leave to
     khugepaged, a page at a time over minutes; MADV_COLLAPSE copies them now, whatever the
     system's THP setting short of `never`. Returns the bytes of huge pages that hold them
     now: 0 before Linux 6.1, on another OS, or where the kernel had none to give."""
