@@ -155,9 +155,11 @@ class Worker:
         return None, 0
 
     def _decode_tensors(self) -> list[torch.Tensor]:
-        """Every tensor a decode step reads besides the KV cache (the model's, its decode view's)."""
+        """Every tensor a decode step reads besides the KV cache: the model's, its decode
+        view's, and quantized weights' codes and scales (weights=..., not module tensors)."""
         views = [self.model] if self.decode_model is None else [self.model, self.decode_model]
-        return [t for view in views for t in (*view.parameters(), *view.buffers())]
+        quantized = [t for w in quantized_weights(self.model) for t in (w.codes, w.scales)]
+        return [t for view in views for t in (*view.parameters(), *view.buffers())] + quantized
 
     def _make_prompt_copies(self) -> int:
         """Packed copies of the projections whose shapes KernelChoice timed faster so for a
