@@ -81,10 +81,11 @@ def test_the_thp_row_puts_the_engines_large_tensors_on_huge_pages():
     the default row's process does not set it."""
     [plain, row] = peers.rows_to_run(["engine", "engine-thp"], ["float32"])
     assert "THP_MEM_ALLOC_ENABLE" not in peers.peer_env("engine", 2, plain.get("env"))
-    probe = ("import torch\nx = torch.ones(16 * 2**20)\n"
-             "print(open('/proc/self/smaps_rollup').read().split('AnonHugePages:')[1].split()[0])")
+    probe = ("import torch\nfrom tests.cpu_features import huge_page_kb\n"
+             "x = torch.ones(16 * 2**20)\nprint(huge_page_kb())")
     huge_kb = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
-                             check=True, env=peers.peer_env("engine", 2, row["env"])).stdout
+                             check=True, cwd=ROOT,
+                             env=peers.peer_env("engine", 2, row["env"])).stdout
     assert int(huge_kb) >= 32 * 1024, huge_kb
 
 
