@@ -86,10 +86,11 @@ def _kernel_lines(picks: list[str]) -> list[str]:
         counts = won.setdefault(op, {})
         counts[kernel] = counts.get(kernel, 0) + 1
     # decode-weights: bf16 models only; prompt-weights: where oneDNN multiplies the dtype;
-    # int8-rows: weights="int8"/"int4"/"gguf"; graph-*: compile=True, one rank. An op this list
+    # int8-rows: weights="int8"/"int4"/"gguf"; int4-rows: weights="int4"/"gguf"; graph-*:
+    # compile=True, one rank. An op this list
     # does not know yet still gets its line, after these.
     known = ("linear", "attention", "decode-attention", "decode-weights", "prompt-weights",
-             "int8-rows", "graph-linear", "graph-prompt", "graph-decode", "graph-decode-attention")
+             "int8-rows", "int4-rows", "graph-linear", "graph-prompt", "graph-decode", "graph-decode-attention")
     lines = []
     for op in [op for op in known if op in won] + [op for op in won if op not in known]:
         total = sum(won[op].values())

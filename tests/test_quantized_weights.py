@@ -124,19 +124,41 @@ def _fake_quantized(src, dst, kind):
     return dst
 
 
+@pytest.fixture(params=["torch", "engine"])
+def row_kernels(request, monkeypatch, tmp_path):
+    """Which kernels a quantized engine's few-row products run, made certain rather than timed:
+    "torch": torch's weight-only kernels (kernel_choice="fixed"); "engine": the engine's C++
+    ones (engine.rank.quantized_rows), made to win every timing."""
+    if request.param == "torch":
+        return {"kernel_choice": "fixed"}
+    from engine.rank import kernel_choice as kc
+
+    monkeypatch.setenv("PREFILL_ENGINE_CACHE", str(tmp_path / "timings"))
+    timed = kc._time_linear
+    monkeypatch.setattr(kc, "_time_linear", lambda kernels, weight, rows, prepare=None: (
+        {"torch": 3e-3, "fused": 1e-3} if set(kernels) == {"torch", "fused"}
+        else timed(kernels, weight, rows, prepare)))
+    return {}
+
+
 @pytest.mark.parametrize("kind", ["int8", "int4"])
-def test_tiny_model_matches_its_dequantized_float_twin(tiny_model_dir, tmp_path, kind):
+def test_tiny_model_matches_its_dequantized_float_twin(tiny_model_dir, tmp_path, kind,
+                                                       row_kernels):
+    """Either kernel (int4's C++ one rounds x to int16 per group: within 1e-4 here too)."""
     path = tiny_model_dir("llama")
     twin = _fake_quantized(path, tmp_path / kind, kind)
     greedy = SamplingParams(max_tokens=6, ignore_eos=True)
     with LLM(str(twin), enable_prefix_caching=False) as ref:
         want, want_tokens = ref.prefill([PROMPT])[0].logits, ref.generate([PROMPT], greedy)
         want_score = ref.score([PROMPT])[0].logprobs
-    with LLM(str(path), weights=kind, enable_prefix_caching=False) as llm:
+    with LLM(str(path), weights=kind, enable_prefix_caching=False, **row_kernels) as llm:
         got = llm.prefill([PROMPT])[0].logits
         assert llm.generate([PROMPT], greedy)[0].token_ids == want_tokens[0].token_ids
         got_score = llm.score([PROMPT])[0].logprobs  # the LM head tiled by rows
         quantized_bytes = llm.rank_info()[0].weight_bytes
+        engine_rows = sum(line.split(" ", 1)[0].endswith("-rows") and ": fused (" in line
+                          for line in llm.rank_info()[0].kernels)
+        assert engine_rows == (5 if row_kernels == {} else 0)  # 4 projection shapes, LM head
         with llm.tracing() as ops:
             llm.generate([PROMPT[:3]], SamplingParams(max_tokens=2, ignore_eos=True))
     # the tracer's bytes for a decode step's q/k/v product: x, codes, scales, out (a hand count

@@ -14,7 +14,7 @@ Timings are kept on disk per CPU model, torch version, thread count and shape
 (`$PREFILL_ENGINE_CACHE`, else ~/.cache/prefill-engine), so only the first start-up on a machine
 pays for them; with compile=True so are whole steps timed through their graphs against eager
 (under the model's shape and the settings they depend on), and the decode graph's attention.
-Quantized weights (weights=...) time their int8 shapes' few-row products (engine.rank.int8_rows).
+Quantized weights (weights=...) time their shapes' few-row products (engine.rank.quantized_rows).
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.rank import fused_attention, gemm, int8_rows, ops
+from engine.rank import fused_attention, gemm, ops, quantized_rows
 from engine.rank.attention import (fixed_prompt_kernel, float32_decode_attention,
                                    sdpa_attention, torch_attention)
 from engine.rank.backend import Backend
@@ -251,16 +251,16 @@ class KernelChoice:
     # compile=True: the decode graph stores and attends through the fused CPU kernel, when
     # timed faster than its own tensor math (engine.rank.padded_decode)
     graph_decode_fused: bool = False
-    # shapes of int8 weights (weights=...) whose products of at most KERNEL_ROWS rows run the
-    # C++ kernel (engine.rank.int8_rows) instead of torch's, where timed faster
-    int8_rows_shapes: set[tuple[int, int]] = field(default_factory=set)
+    # (kind, shape) of quantized weights (weights=...) whose products of at most KERNEL_ROWS
+    # rows run the C++ kernels (engine.rank.quantized_rows) instead of torch's, where timed faster
+    quantized_rows_shapes: set[tuple[str, tuple[int, int]]] = field(default_factory=set)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight,
                bias: torch.Tensor | None = None) -> torch.Tensor:
         if isinstance(weight, QuantizedWeight):
-            if (weight.shape in self.int8_rows_shapes
+            if ((weight.kind, weight.shape) in self.quantized_rows_shapes
                     and x.numel() // x.shape[-1] <= KERNEL_ROWS):
-                return int8_rows.linear(x, weight, bias)
+                return quantized_rows.linear(x, weight, bias)
             return gemm.linear(x, weight, bias)
         if (self.graph_rows_call_torch and torch.compiler.is_compiling()
                 and isinstance(weight, torch.Tensor) and weight.dtype == x.dtype
@@ -375,23 +375,28 @@ class KernelChoice:
         self.picks.append(pick)
         return pick
 
-    def choose_int8_rows(self, weights: list[QuantizedWeight]) -> None:
-        """weights=...: time one row's product with each int8 weight shape (the LM head; every
-        projection with weights="int8") through torch's kernel and the C++ one, over streamed
-        copies; shapes where the C++ one wins take it for products of up to KERNEL_ROWS rows."""
-        int8 = [w for w in weights if w.kind == "int8" and int8_rows.takes(w)]
-        if not int8 or not int8_rows.available():
-            return
-        store = TimingStore.open()
-        candidates = {"torch": gemm.linear, "fused": int8_rows.linear}
-        for shape, weight in one_per_shape(int8).items():
-            pick = store.get_or_time(Pick("int8-rows", shape, 1, "torch"), self.dtype, candidates,
-                                     lambda: _time_linear(candidates, weight, 1),
-                                     f"int8 {int8_rows.LIBRARY.source_hash()}")
-            self.picks.append(pick)
-            if pick.kernel == "fused":
-                self.int8_rows_shapes.add(shape)
-        store.save()
+    def choose_quantized_rows(self, weights: list[QuantizedWeight]) -> None:
+        """weights=...: time one row's product with each quantized weight shape (the int8 LM
+        head; every projection, int8 or int4) through torch's kernel and the C++ one, over
+        streamed copies; shapes where the C++ one wins take it for products of up to
+        KERNEL_ROWS rows."""
+        candidates = {"torch": gemm.linear, "fused": quantized_rows.linear}
+        store = None
+        for kind in ("int8", "int4"):
+            timed = [w for w in weights if w.kind == kind and quantized_rows.takes(w)]
+            if not timed or not quantized_rows.available(kind):
+                continue
+            store = store or TimingStore.open()
+            source = f"{kind} {quantized_rows.LIBRARY.source_hash()}"
+            for shape, weight in one_per_shape(timed).items():
+                pick = store.get_or_time(Pick(f"{kind}-rows", shape, 1, "torch"), self.dtype,
+                                         candidates,
+                                         lambda w=weight: _time_linear(candidates, w, 1), source)
+                self.picks.append(pick)
+                if pick.kernel == "fused":
+                    self.quantized_rows_shapes.add((kind, shape))
+        if store is not None:
+            store.save()
 
     def choose_graph_decode_attention(self, heads: tuple[int, int, int], kv_head_of_q: list[int],
                                       block_size: int, max_context: int) -> None:

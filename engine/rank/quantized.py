@@ -38,9 +38,11 @@ KERNEL_ROWS = 4
 class QuantizedWeight:
     """Stands where a projection's float weight [N, K] was (engine.rank.gemm routes it here).
     int8: codes [N, K] int8, scales [N]. int4: codes packed [N, K/2] uint8 in the kernel's
-    layout, scales [K/32, N, 2] (scale, zero) per group; to dequantize from, `nibbles`
-    [N, K/2] uint8, the same codes in a plain layout (column j in the low nibble, j + K/2 in
-    the high one), and `steps` [2, N, K/32, 1]: each group's d and m (w = d q + m)."""
+    layout, scales [K/32, N, 2] (scale, zero) per group; and, for the engine's own kernel
+    (engine.rank.quantized_rows) and to dequantize from, `nibbles` [N, K/2] uint8, the same
+    codes in GGUF's Q4 block layout (a group's 16 bytes hold its code i in the low nibble of
+    byte i and code i + 16 in the high one), and `steps` [2, N, K/32, 1]: each group's d and
+    m (w = d q + m)."""
 
     kind: str
     codes: torch.Tensor
@@ -65,18 +67,22 @@ class QuantizedWeight:
                                             for f in dataclasses.fields(self)
                                             if isinstance(getattr(self, f.name), torch.Tensor)})
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor it holds."""
+        return [t for t in (self.codes, self.scales, self.nibbles, self.steps) if t is not None]
+
     @property
     def stored_bytes(self) -> int:
-        """The memory it takes, the plain copy of int4 codes included."""
-        extra = [t.nbytes for t in (self.nibbles, self.steps) if t is not None]
-        return self.nbytes + sum(extra)
+        """The memory it takes, the block-layout copy of int4 codes included."""
+        return sum(t.nbytes for t in self.tensors())
 
     def dequantized(self) -> torch.Tensor:
         """The float weight [N, K] the codes stand for, in the scales' dtype."""
         if self.kind == "int8":
             return self.codes.to(self.scales.dtype) * self.scales[:, None]
         n, k = self.shape
-        codes = torch.cat([self.nibbles & 15, self.nibbles >> 4], dim=1)
+        nibbles = self.nibbles.view(n, k // BLOCK, 1, BLOCK // 2)
+        codes = torch.cat([nibbles & 15, nibbles >> 4], dim=2)
         groups = codes.view(n, k // BLOCK, BLOCK).to(self.scales.dtype)
         return torch.addcmul(self.steps[1], groups, self.steps[0]).view(n, k)
 
@@ -123,9 +129,10 @@ def from_q4_blocks(blocks: Q4Blocks, dtype: torch.dtype) -> QuantizedWeight:
     packed = torch._convert_weight_to_int4pack_for_cpu(blocks.codes.to(torch.int32), 2)
     zeros = blocks.mins + 8 * blocks.scales
     scales = torch.stack([blocks.scales, zeros], dim=-1).transpose(0, 1).contiguous()
-    low, high = blocks.codes.to(torch.uint8).split(k // 2, dim=1)
+    halves = blocks.codes.to(torch.uint8).view(n, k // BLOCK, 2, BLOCK // 2)
+    nibbles = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, k // 2)
     steps = torch.stack([blocks.scales, blocks.mins])[..., None].to(dtype)
-    return QuantizedWeight("int4", packed, scales.to(dtype), (n, k), low | (high << 4), steps)
+    return QuantizedWeight("int4", packed, scales.to(dtype), (n, k), nibbles, steps)
 
 
 def check_int4_shapes(plan) -> None:

@@ -111,7 +111,7 @@ class Worker:
                              lm_head_shape=tuple(self.model.lm_head.weight.shape),
                              max_context=self.plan.max_model_len,
                              gate_up_shape=tuple(gate_up.shape))
-        self.kernels.choose_int8_rows(quantized_weights(self.model))
+        self.kernels.choose_quantized_rows(quantized_weights(self.model))
         if self.plan.compile:
             self.kernels.choose_graph_rows(projection_weights(self.model))
             if self.plan.cp == 1:  # context parallel attends through its own ops
@@ -138,7 +138,7 @@ class Worker:
                 f"graph_rows_torch={self.kernels.graph_rows_call_torch} "
                 f"fused_decode={self.kernels.graph_decode_fused} "
                 f"gated={self.kernels.gated_prompt_shape} "
-                f"int8_rows={sorted(self.kernels.int8_rows_shapes)}")
+                f"quantized_rows={sorted(self.kernels.quantized_rows_shapes)}")
 
     def _decode_view(self) -> tuple[torch.nn.Module | None, int]:
         """The model view decode steps run (engine.rank.decode_weights): decode_dtype copies,
@@ -158,7 +158,7 @@ class Worker:
         """Every tensor a decode step reads besides the KV cache: the model's, its decode
         view's, and quantized weights' codes and scales (weights=..., not module tensors)."""
         views = [self.model] if self.decode_model is None else [self.model, self.decode_model]
-        quantized = [t for w in quantized_weights(self.model) for t in (w.codes, w.scales)]
+        quantized = [t for w in quantized_weights(self.model) for t in w.tensors()]
         return [t for view in views for t in (*view.parameters(), *view.buffers())] + quantized
 
     def _make_prompt_copies(self) -> int:
