@@ -11,8 +11,9 @@ Prompt attention also runs as compiled flex attention (inductor's CPU template),
 against SDPA, and as the engine's fused kernel (engine/rank/fused_attention). A decode row's KV
 store and attention of one layer, compiled as the decode graph runs them: its tensor math over
 the block table against the fused kernel's one call, timed as the engine times them at start-up.
-The int8 LM head (every weights=... mode) for one row: torch's `_weight_int8pack_mm` against the
-engine's C++ row product (engine/rank/int8_rows). A prompt's products with plain weights against
+The int8 LM head (every weights=... mode) and the int4 projections (weights="int4"|"gguf") for one
+row: torch's `_weight_int8pack_mm` and `_weight_int4pack_mm_for_cpu` against the engine's C++ row
+products (engine/rank/quantized_rows). A prompt's products with plain weights against
 copies packed for its rows (engine.rank.gemm.PromptCopies), and its gate/up products with their
 SiLU·mul as a product and a pass after it against oneDNN's fused halves (engine.rank.gemm.
 gated_halves). Runs alternate; the fastest of each is kept.
@@ -20,6 +21,7 @@ gated_halves). Runs alternate; the fastest of each is kept.
     .venv/bin/python -m bench.cpu_ops
     .venv/bin/python -m bench.cpu_ops --only-prompt-attention --fused-from REV
     .venv/bin/python -m bench.cpu_ops --only-gated
+    .venv/bin/python -m bench.cpu_ops --only-quantized
 
 `--fused-from REV` adds the fused kernel as it was at git revision REV (built here the same way)
 beside today's, for a before/after in one run.
@@ -37,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import machine
-from engine.rank import fused_attention, int8_rows, ops
+from engine.rank import fused_attention, ops, quantized_rows
 from engine.rank.cpp_library import CppLibrary
 from engine.rank.blocked_attention import blocked_causal_attention
 from engine.rank import kernel_choice
@@ -45,7 +47,7 @@ from engine.rank import gemm
 from engine.rank.gemm import linear, onednn_linear
 from engine.rank import graph_ops
 from engine.rank.kv_cache import KVCache, store_into
-from engine.rank.quantized import int8_per_channel
+from engine.rank.quantized import QuantizedWeight, int4_groups, int8_per_channel
 
 PROJECTIONS = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down
 HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
@@ -253,13 +255,29 @@ def decode_graph_attention(keys: int, dtype: torch.dtype) -> dict[str, float]:
     return {name: s * 1e6 for name, s in times.items()}
 
 
-def int8_lm_head(dtype: torch.dtype) -> dict[str, float]:
-    """GB/s of int8 codes and scales read by one row through SmolLM2's int8 LM head [49152,
-    576], over copies that outgrow the caches (engine.rank.kernel_choice's own timing)."""
-    weight = int8_per_channel(torch.randn(49152, 576).to(dtype))
-    times = kernel_choice._time_linear({"torch": gemm.linear, "fused": int8_rows.linear},
+def quantized_row(weight: QuantizedWeight) -> dict[str, float]:
+    """GB/s of codes and scales read by one row through `weight`, torch's kernel against the
+    engine's, over copies that outgrow the caches (engine.rank.kernel_choice's own timing)."""
+    times = kernel_choice._time_linear({"torch": gemm.linear, "fused": quantized_rows.linear},
                                        weight, 1)
     return {name: weight.nbytes / s / 1e9 for name, s in times.items()}
+
+
+def quantized(args: argparse.Namespace) -> None:
+    """SmolLM2's int8 LM head [49152, 576], and its projections as int4 groups."""
+    dtypes = [d for d in args.dtypes if getattr(torch, d) in quantized_rows.DTYPES]
+    weights = {"int8": [("LM head", int8_per_channel, (49152, 576))],
+               "int4": [(name, int4_groups, shape) for name, shape in
+                        zip(("qkv", "o", "gate_up", "down"), PROJECTIONS)]}
+    for kind, rows in weights.items():
+        if not quantized_rows.available(kind):
+            print(f"{kind}: the engine's row product is not built here")
+            continue
+        _table_row(f"{kind}, 1 row", "torch GB/s", "fused GB/s", "fused / torch")
+        for dtype in dtypes:
+            for name, quantize, shape in rows:
+                r = quantized_row(quantize(torch.randn(shape).to(getattr(torch, dtype))))
+                _table_row(f"{dtype}, {name}", r["torch"], r["fused"], r["fused"] / r["torch"])
 
 
 def _table_row(label: str, first, second, ratio) -> None:
@@ -277,6 +295,8 @@ def main() -> None:
     ap.add_argument("--only-prompt-attention", action="store_true")
     ap.add_argument("--only-gated", action="store_true",
                     help="only the gate/up products with their SiLU·mul, fused and not")
+    ap.add_argument("--only-quantized", action="store_true",
+                    help="only the quantized weights' one-row products, torch's and the engine's")
     ap.add_argument("--fused-from", metavar="REV",
                     help="time the fused prompt attention as it was at this git revision too")
     args = ap.parse_args()
@@ -286,6 +306,8 @@ def main() -> None:
     print(f"{machine()}; best of {args.repeats}, alternating")
     if args.only_gated:
         return gated(args)
+    if args.only_quantized:
+        return quantized(args)
     if not args.only_prompt_attention:
         other_ops(args)
         gated(args)
@@ -334,11 +356,7 @@ def other_ops(args: argparse.Namespace) -> None:
                 r = decode_graph_attention(keys, getattr(torch, dtype))
                 _table_row(f"{dtype}, {keys} keys", r["tensor-math"], r["fused"],
                            r["tensor-math"] / r["fused"])
-    if int8_rows.available():
-        _table_row("int8 LM head, 1 row", "torch GB/s", "fused GB/s", "fused / torch")
-        for dtype in (d for d in args.dtypes if getattr(torch, d) in int8_rows.DTYPES):
-            r = int8_lm_head(getattr(torch, dtype))
-            _table_row(dtype, r["torch"], r["fused"], r["fused"] / r["torch"])
+    quantized(args)
 
 
 def prompt_attention(args: argparse.Namespace) -> None:

@@ -57,37 +57,46 @@ def default_label() -> str:
     return f"engine, default ({COMPILE_ENV}={setting})" if setting else "engine, default"
 
 
+# the engine's rows besides its defaults: system -> (label, settings, environment)
+ENGINE_VARIANTS = {
+    # the built-in kernels, untimed: what measuring gains
+    "engine-fixed": ("engine, kernel_choice=fixed", {"kernel_choice": "fixed"}, None),
+    "engine-int8": ("engine, weights=int8", {"weights": "int8"}, None),
+    "engine-gguf": ("engine, weights=gguf (Q4_1 as stored)", {"weights": "gguf"}, None),
+    # where compile is on by default (engine.plan.compiles)
+    "engine-eager": ("engine, compile=False", {"compile": False}, None),
+    "engine-compile": ("engine, compile=True", {"compile": True}, None),
+    # every torch tensor of 2 MB or more on transparent huge pages (activations, the KV
+    # cache), not only the weights the engine moves itself
+    "engine-thp": ("engine, THP_MEM_ALLOC_ENABLE=1", {}, {"THP_MEM_ALLOC_ENABLE": "1"}),
+}
+
+
+def _engine_rows(systems: list[str], dtype: str,
+                 engine_from: dict[str, Path] | None) -> list[dict]:
+    """The engine rows asked for, each followed by the same row at every revision of
+    `engine_from`."""
+    asked = [(default_label(), {}, None)] if "engine" in systems else []
+    asked += [variant for name, variant in ENGINE_VARIANTS.items() if name in systems]
+    rows = []
+    for label, settings, env in asked:
+        row = dict(label=label, system="engine", dtype=dtype, form="gguf")
+        row.update({k: v for k, v in (("settings", settings), ("env", env)) if v})
+        rows.append(row)
+        for rev, root in (engine_from or {}).items():
+            at = "engine" if not settings and not env else label
+            rows.append({**row, "label": f"{at} at {rev}", "root": str(root)})
+    return rows
+
+
 def rows_to_run(systems: list[str], dtypes: list[str],
                 engine_from: dict[str, Path] | None = None) -> list[dict]:
     """(label, system, dtype, weights form, settings) for every row of the table;
     `engine_from`: git revisions whose engine runs beside today's, each from its checkout
-    (`root`), with its own default settings."""
+    (`root`), each engine row asked for with that revision's code."""
     rows = []
     for dtype in dtypes:
-        if "engine" in systems:
-            rows.append(dict(label=default_label(), system="engine", dtype=dtype, form="gguf"))
-        for rev, root in (engine_from or {}).items():
-            rows.append(dict(label=f"engine at {rev}", system="engine", dtype=dtype,
-                             form="gguf", root=str(root)))
-        if "engine-fixed" in systems:  # the built-in kernels, untimed: what measuring gains
-            rows.append(dict(label="engine, kernel_choice=fixed", system="engine", dtype=dtype,
-                             form="gguf", settings={"kernel_choice": "fixed"}))
-        if "engine-int8" in systems:
-            rows.append(dict(label="engine, weights=int8", system="engine", dtype=dtype,
-                             form="gguf", settings={"weights": "int8"}))
-        if "engine-gguf" in systems:
-            rows.append(dict(label="engine, weights=gguf (Q4_1 as stored)", system="engine",
-                             dtype=dtype, form="gguf", settings={"weights": "gguf"}))
-        if "engine-eager" in systems:  # where compile is on by default (engine.plan.compiles)
-            rows.append(dict(label="engine, compile=False", system="engine", dtype=dtype,
-                             form="gguf", settings={"compile": False}))
-        if "engine-compile" in systems:
-            rows.append(dict(label="engine, compile=True", system="engine", dtype=dtype,
-                             form="gguf", settings={"compile": True}))
-        if "engine-thp" in systems:  # every torch tensor of 2 MB or more on transparent huge
-            # pages (activations, the KV cache), not only the weights the engine moves itself
-            rows.append(dict(label="engine, THP_MEM_ALLOC_ENABLE=1", system="engine",
-                             dtype=dtype, form="gguf", env={"THP_MEM_ALLOC_ENABLE": "1"}))
+        rows += _engine_rows(systems, dtype, engine_from)
         if "transformers" in systems:
             rows.append(dict(label="transformers", system="transformers", dtype=dtype, form="gguf"))
         if "vllm" in systems:
@@ -344,8 +353,8 @@ def main() -> None:
     ap.add_argument("--decode-prompt", type=int, default=256)
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--engine-from", nargs="+", default=[], metavar="REV",
-                    help="also run the engine as it was at these git revisions (a before/after "
-                         "in one run)")
+                    help="also run each engine row asked for as it was at these git revisions "
+                         "(a before/after in one run)")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="peers-"))
     engine_from = {rev: checkout(rev, work) for rev in args.engine_from}

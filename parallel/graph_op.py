@@ -1,5 +1,6 @@
 """Ops of the `prefill` namespace that compiled graphs call as opaque steps (the KV store,
-attention, the all-reduce, oneDNN's product), defined straight through `torch.library.Library`.
+attention, the all-reduce, oneDNN's product, the quantized row products), defined straight
+through `torch.library.Library`.
 
 Not `torch.library.custom_op`, whose Python wrapper adds tens of microseconds to every call:
 `python -m bench.cpu_ops --repeats 5 --dtypes bfloat16` times the decode graph's KV store (one
@@ -23,5 +24,15 @@ def define(schema: str, impl: Callable, fake: Callable) -> torch._ops.OpOverload
     name = schema.split("(", 1)[0]
     _LIBRARY.define(schema)
     _LIBRARY.impl(name, impl, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"prefill::{name}", fake, lib=_LIBRARY)
+    return getattr(torch.ops.prefill, name).default
+
+
+def declare(schema: str, fake: Callable) -> torch._ops.OpOverload:
+    """The op `prefill::<schema>` whose kernels a C++ library registers when it loads (as
+    engine/rank/quantized_rows.cpp does): declared here so that graphs can be traced (`fake`)
+    and kept graphs loaded before the library is."""
+    name = schema.split("(", 1)[0]
+    _LIBRARY.define(schema)
     torch.library.register_fake(f"prefill::{name}", fake, lib=_LIBRARY)
     return getattr(torch.ops.prefill, name).default

@@ -7,10 +7,16 @@ where they win, whose decode steps run them for every projection (and the int8 L
 eagerly and in the compiled decode graph, with the tokens of torch's kernels."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 from engine.rank import quantized_rows as qr
+from engine.rank.cpp_library import MARCH_ENV
 from engine.rank import kernel_choice as kc
 from engine.loading.gguf_blocks import Q4Blocks
 from engine.rank.quantized import from_q4_blocks, int4_groups, int8_per_channel
@@ -157,31 +163,58 @@ def test_q4_rounding_is_what_it_states_and_no_more():
     assert ((y.double() - x.double() @ values.t()).abs() <= _q4_bound(x, values)).all()
 
 
-def _q4_library(tmp_path, march: str):
-    return qr.LIBRARY.open(qr.LIBRARY.build(tmp_path, "g++", march=march))
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_q4_a_non_finite_input_gives_non_finite_outputs(bad):
+    """As a float product's would be: never a finite number that hides it (the kernel's
+    rounding divides by the group's largest value)."""
+    weight, values = _q4_weight(32, 96, torch.float32, seed=4)
+    x = torch.randn(2, 96, generator=torch.Generator().manual_seed(5))
+    x[1, 40] = bad  # the second group of the second row
+    y = qr.q4_product(x, weight.nibbles, weight.steps)
+    assert torch.isfinite(y[0]).all() and not torch.isfinite(y[1]).any()
+    assert ((y[0].double() - x[0].double() @ values.t()).abs()
+            <= _q4_bound(x[:1], values)[0]).all()
 
 
-def test_q4_built_for_avx2_without_vnni(tmp_path, monkeypatch):
-    """The AVX2 CPUs' code (vpmaddwd, no vpdpwssd), built for that kind of CPU and run here,
-    within the same bound."""
-    library = _q4_library(tmp_path, "x86-64-v3")
-    monkeypatch.setattr(qr.LIBRARY, "get", lambda: library)
-    assert library.q4_rows_supported() == 1
-    for dtype in qr.DTYPES:
-        _check_q4(qr.q4_product, 3, 48, 576, dtype, seed=5)
+def _in_a_build_for(march: str, tmp_path, code: str) -> str:
+    """Run `code` in a process whose kernels are built for another kind of CPU (-march), run on
+    this one (a process loads one build of the ops' kernels); its output."""
+    env = {**os.environ, MARCH_ENV: march, "PREFILL_ENGINE_CACHE": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=env, cwd=Path(__file__).parent.parent, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
 
 
-def test_q4_on_a_cpu_without_avx2_is_not_offered(tmp_path, monkeypatch):
-    library = _q4_library(tmp_path, "x86-64")
-    monkeypatch.setattr(qr.LIBRARY, "get", lambda: library)
-    assert library.q4_rows_supported() == 0
-    assert not qr.available("int4") and qr.available("int8")
-    weight, _ = _q4_weight(16, 32, torch.float32, seed=1)
-    with pytest.raises(RuntimeError, match="needs AVX2"):
-        qr.q4_product(torch.randn(1, 32), weight.nibbles, weight.steps)
-    choice = kc.KernelChoice(torch.float32)
-    choice.choose_quantized_rows([weight])
-    assert choice.picks == [] and not choice.quantized_rows_shapes
+def test_q4_built_for_avx2_without_vnni(tmp_path):
+    """The AVX2 CPUs' code (vpmaddwd, no vpdpwssd), within the same bound."""
+    out = _in_a_build_for("x86-64-v3", tmp_path, (
+        "import torch\n"
+        "from engine.rank import quantized_rows as qr\n"
+        "from tests.test_quantized_rows import _check_q4\n"
+        "assert qr.available('int4')\n"
+        "for dtype in qr.DTYPES:\n"
+        "    _check_q4(qr.q4_product, 3, 48, 576, dtype, seed=5)\n"
+        "print('checked')\n"))
+    assert out.split() == ["checked"]
+
+
+def test_q4_on_a_cpu_without_avx2_is_not_offered(tmp_path):
+    """int8 still runs there; int4's op says why it does not, and is never timed."""
+    out = _in_a_build_for("x86-64", tmp_path, (
+        "import torch\n"
+        "from engine.rank import kernel_choice as kc, quantized_rows as qr\n"
+        "from tests.test_quantized_rows import _q4_weight\n"
+        "assert qr.available('int8') and not qr.available('int4')\n"
+        "weight, _ = _q4_weight(16, 32, torch.float32, seed=1)\n"
+        "try:\n"
+        "    qr.q4_product(torch.randn(1, 32), weight.nibbles, weight.steps)\n"
+        "except NotImplementedError as e:\n"
+        "    print('refused:', 'needs AVX2' in str(e))\n"
+        "choice = kc.KernelChoice(torch.float32)\n"
+        "choice.choose_quantized_rows([weight])\n"
+        "print('timed:', len(choice.picks))\n"))
+    assert out.splitlines() == ["refused: True", "timed: 0"]
 
 
 def test_q4_refusals():
@@ -239,21 +272,21 @@ def test_an_engine_where_they_win_runs_them_and_keeps_the_tokens(tiny_model_dir,
     monkeypatch.setattr(kc, "_time_linear", lambda kernels, weight, rows, prepare=None: (
         {"torch": 3e-3, "fused": 1e-3} if set(kernels) == {"torch", "fused"}
         else timed(kernels, weight, rows, prepare)))
-    library, calls = qr.LIBRARY.get(), []
+    calls: list[tuple[str, int]] = []
 
-    class Counted:
-        def int8_rows_product(self, *args):
-            calls.append(("int8", args[6]))  # the output width
-            return library.int8_rows_product(*args)
+    def counted(llm, run):
+        """run() with the ops' calls on the engine's step thread recorded: (kind, outputs)."""
+        profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                         record_shapes=True)
+        llm._core.call(profile.__enter__)  # the profiler records the thread it starts on
+        result = run()
+        llm._core.call(lambda: profile.__exit__(None, None, None))
+        names = {"prefill::int8_rows": "int8", "prefill::q4_rows": "int4"}
+        events = sorted((e for e in profile.events() if e.name in names),
+                        key=lambda e: e.time_range.start)
+        calls.extend((names[e.name], e.input_shapes[1][0]) for e in events)
+        return result
 
-        def q4_rows_product(self, *args):
-            calls.append(("int4", args[7]))
-            return library.q4_rows_product(*args)
-
-        def q4_rows_supported(self):
-            return library.q4_rows_supported()
-
-    monkeypatch.setattr(qr.LIBRARY, "get", Counted)
     path = tiny_model_dir("llama")
     config = json.loads((path / "config.json").read_text())
     prompt = [(7 * i) % 200 + 3 for i in range(20)]
@@ -263,7 +296,8 @@ def test_an_engine_where_they_win_runs_them_and_keeps_the_tokens(tiny_model_dir,
         with LLM(str(path), weights=weights, kernel_choice=choice, compile=compile,
                  enable_prefix_caching=False) as llm:
             calls.clear()
-            tokens[choice] = list(llm.generate([prompt], params)[0].token_ids)
+            tokens[choice] = list(counted(llm, lambda: llm.generate([prompt], params))[0]
+                                  .token_ids)
             if choice == "fixed":
                 assert calls == []
             else:

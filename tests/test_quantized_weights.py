@@ -185,7 +185,9 @@ def test_tp2_int4_equals_tp1(ray_cluster, tiny_model_dir, tmp_path):
     with LLM(str(_fake_quantized(path, tmp_path / "twin", "int4"))) as twin:
         want = twin.prefill([PROMPT])[0].logits
     for tp in (1, 2):
-        with LLM(str(path), weights="int4", tp=tp) as llm:
+        # torch's kernels (kernel_choice="fixed"): this is about each rank's slice; the
+        # engine's int4 kernel rounds x to int16, past 1e-4 here (the twin test covers it)
+        with LLM(str(path), weights="int4", tp=tp, kernel_choice="fixed") as llm:
             got = llm.prefill([PROMPT])[0].logits
             kernels = [info.kernels for info in llm.rank_info()]
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4,

@@ -19,9 +19,26 @@ import tempfile
 import threading
 from pathlib import Path
 
+import torch
+
 log = logging.getLogger("engine")
 
-FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17")  # and -march: this CPU by default
+FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")  # and -std, and -march: this CPU by default
+# The CPU kind the kernels are built for, where not this one (tests build other kinds' code)
+MARCH_ENV = "PREFILL_ENGINE_MARCH"
+
+
+def torch_flags() -> tuple[str, ...]:
+    """What a library of torch ops compiles and links with: torch's headers and libraries (the
+    wheel ships both), its C++ standard and string ABI."""
+    root = Path(torch.__file__).parent
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    return ("-std=c++20", f"-I{root / 'include'}",
+            f"-I{root / 'include' / 'torch' / 'csrc' / 'api' / 'include'}",
+            f"-D_GLIBCXX_USE_CXX11_ABI={abi}", f"-L{root / 'lib'}", f"-Wl,-rpath,{root / 'lib'}")
+
+
+TORCH_LIBRARIES = ("-lc10", "-ltorch_cpu")  # after the source: linkers drop those named before
 
 
 class CompilerFailed(RuntimeError):
@@ -32,14 +49,20 @@ class CppLibrary:
     """One C++ source's library: `get()` builds it once per process (thread-safe) and returns it
     with its functions' argument types set, or None where it cannot be built or loaded."""
 
-    def __init__(self, source: Path, name: str, signatures: dict[str, list], without: str):
+    def __init__(self, source: Path, name: str, signatures: dict[str, list], without: str,
+                 register: str | None = None):
         """`name`: what the warning calls it; `signatures`: each exported function's ctypes
-        argument types (all return an int status); `without`: what runs where it is absent."""
+        argument types (all return an int status); `without`: what runs where it is absent;
+        `register`: a library of torch ops (built against torch), and the exported function
+        that registers their kernels, called once when the library loads."""
         self.source, self.name, self.signatures, self.without = source, name, signatures, without
+        self.register = register
         self._lock = threading.Lock()
         self._loaded: list = []  # [the library, or None]: decided once
 
     def get(self) -> ctypes.CDLL | None:
+        if self._loaded:  # decided: no lock (decode steps call kernels ~120 times each)
+            return self._loaded[0]
         with self._lock:
             if not self._loaded:
                 self._loaded.append(self._load())
@@ -66,7 +89,10 @@ class CppLibrary:
         error = None
         for folder in (lambda: cache_dir() / "kernels", lambda: Path(tempfile.mkdtemp())):
             try:
-                return self.open(self.build(folder(), compiler))
+                library = self.open(self.build(folder(), compiler))
+                if self.register is not None and getattr(library, self.register)() != 0:
+                    raise RuntimeError(f"{self.register}() failed")
+                return library
             except (OSError, subprocess.SubprocessError, RuntimeError) as e:
                 error = e
                 if isinstance(e, CompilerFailed):
@@ -82,15 +108,18 @@ class CppLibrary:
             getattr(library, function).restype = ctypes.c_int
         return library
 
-    def build(self, folder: Path, compiler: str, march: str = "native") -> Path:
+    def build(self, folder: Path, compiler: str, march: str | None = None) -> Path:
         """The library for this source, compiler and CPU in `folder`: built once, kept, found by
-        later starts. `march`: the CPU kind it is built for (tests build other kinds' code)."""
+        later starts. `march`: the CPU kind it is built for (default: $PREFILL_ENGINE_MARCH,
+        else this CPU; tests build other kinds' code)."""
+        march = march or os.environ.get(MARCH_ENV) or "native"
         from engine.rank.kernel_choice import machine_key  # which imports the kernels' modules
 
         asked = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60)
         if asked.returncode != 0:
             raise CompilerFailed(f"{compiler} --version failed: {asked.stderr.strip()[-300:]}")
-        flags = (*FLAGS, f"-march={march}")
+        flags = (*FLAGS, f"-march={march}",
+                 *(torch_flags() if self.register is not None else ("-std=c++17",)))
         key = hashlib.sha256("\0".join([self.source_hash(), asked.stdout, machine_key(),
                                         *flags]).encode())
         path = folder / f"{self.source.stem}-{key.hexdigest()[:16]}.so"
@@ -98,7 +127,8 @@ class CppLibrary:
             return path
         folder.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
-        done = subprocess.run([compiler, *flags, str(self.source), "-o", str(partial)],
+        libraries = TORCH_LIBRARIES if self.register is not None else ()
+        done = subprocess.run([compiler, *flags, str(self.source), "-o", str(partial), *libraries],
                               capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
             partial.unlink(missing_ok=True)

@@ -1,8 +1,11 @@
 // Decode's products with quantized weights (weights="int8" | "int4" | "gguf"): a few rows x (r < 4)
 // times a weight held as integer codes. Decode steps run them: their rows are few, so a product
 // streams the codes once and is bound by reading them; each code is widened in registers and used
-// by every row. float32 or bfloat16 x, scales and y; float32 sums. Built and loaded by
-// engine/rank/quantized_rows.py.
+// by every row. float32 or bfloat16 x, scales and y; float32 sums. Built against torch and loaded
+// by engine/rank/quantized_rows.py, which declares the ops prefill::int8_rows and
+// prefill::q4_rows; register_ops() gives them these CPU kernels. Called straight from torch's
+// dispatcher, eagerly or from a compiled graph: a call through ctypes and a Python op cost ~8 us
+// more, and a decode step makes ~120 of them.
 //
 // int8 (weights="int8", and the LM head of every mode): codes [n][k], one scale per output
 // channel: y[r][n] = s[n] sum_k x[r][k] q[n][k].
@@ -16,10 +19,13 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <new>
 #include <vector>
 
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <omp.h>
+#include <torch/library.h>
 
 #include "cpu_vectors.h"
 
@@ -51,19 +57,17 @@ void rows_product(const RowsProblem<T>& p, int threads) {
 }
 
 template <typename T>
-int rows_any(const T* x, int64_t x_stride, int64_t rows, const int8_t* codes, const T* scales,
-             T* y, int64_t n, int64_t k, int threads) {
-  if (k % W != 0) return 1;
+void rows_any(const T* x, int64_t x_stride, int64_t rows, const int8_t* codes, const T* scales,
+              T* y, int64_t n, int64_t k, int threads) {
   std::vector<float> widened(static_cast<size_t>(rows * k));
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t i = 0; i < k; ++i) widened[r * k + i] = widen(x[r * x_stride + i]);
   const RowsProblem<T> p{widened.data(), codes, scales, y, n, k};
   switch (rows) {
-    case 1: rows_product<T, 1>(p, threads); return 0;
-    case 2: rows_product<T, 2>(p, threads); return 0;
-    case 3: rows_product<T, 3>(p, threads); return 0;
-    case 4: rows_product<T, 4>(p, threads); return 0;
-    default: return 1;
+    case 1: return rows_product<T, 1>(p, threads);
+    case 2: return rows_product<T, 2>(p, threads);
+    case 3: return rows_product<T, 3>(p, threads);
+    default: return rows_product<T, 4>(p, threads);
   }
 }
 
@@ -77,25 +81,63 @@ struct RoundedRows {
   std::vector<float> step, sum;
 };
 
+// 8 values widened to float32
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const bf16* p) {
+  const __m256i halves = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(halves, 16));
+}
+
+inline float lanes_max(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
+}
+
+inline float lanes_sum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_hadd_ps(s, s);
+  return _mm_cvtss_f32(_mm_hadd_ps(s, s));
+}
+
+// One group of 32 inputs rounded to int16 (nearest, ties to even) on the step max|x| / 32767;
+// returns (step, sum). A NaN or infinite input makes the step NaN, so the outputs it feeds are
+// NaN, as a float product's would be, never a silently finite number.
 template <typename T>
-RoundedRows round_rows(const T* x, int64_t x_stride, int64_t rows, int64_t k) {
+inline void round_group(const T* x, int16_t* xq, float* step, float* sum) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 v[4], largest = _mm256_setzero_ps(), total = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    v[i] = load8(x + 8 * i);
+    largest = _mm256_max_ps(largest, _mm256_andnot_ps(sign, v[i]));
+    total = _mm256_add_ps(total, v[i]);
+  }
+  const float most = lanes_max(largest);
+  *sum = lanes_sum(total);
+  *step = std::isfinite(most) && !std::isnan(*sum) ? most / 32767.f : NAN;
+  const __m256 inverse = _mm256_set1_ps(most > 0.f && std::isfinite(most) ? 32767.f / most : 0.f);
+  for (int i = 0; i < 4; i += 2) {
+    const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inverse));
+    const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(v[i + 1], inverse));
+    // packs interleaves 128-bit halves (a0-3 b0-3 a4-7 b4-7): the permute puts them in order
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + 8 * i), packed);
+  }
+}
+
+// The caller thread's buffers, kept from call to call: a decode step makes ~120 calls, each
+// too short to pay for fresh allocations.
+template <typename T>
+const RoundedRows& round_rows(const T* x, int64_t x_stride, int64_t rows, int64_t k) {
   const int64_t groups = k / GROUP;
-  RoundedRows out{std::vector<int16_t>(rows * k), std::vector<float>(rows * groups),
-                  std::vector<float>(rows * groups)};
+  thread_local RoundedRows out;
+  out.xq.resize(rows * k);
+  out.step.resize(rows * groups);
+  out.sum.resize(rows * groups);
   for (int64_t r = 0; r < rows; ++r)
-    for (int64_t g = 0; g < groups; ++g) {
-      float v[GROUP], largest = 0.f, sum = 0.f;
-      for (int i = 0; i < GROUP; ++i) {
-        v[i] = widen(x[r * x_stride + g * GROUP + i]);
-        largest = std::max(largest, std::fabs(v[i]));
-        sum += v[i];
-      }
-      const float inverse = largest > 0.f ? 32767.f / largest : 0.f;
-      for (int i = 0; i < GROUP; ++i)
-        out.xq[r * k + g * GROUP + i] = static_cast<int16_t>(std::lrintf(v[i] * inverse));
-      out.step[r * groups + g] = largest / 32767.f;
-      out.sum[r * groups + g] = sum;
-    }
+    for (int64_t g = 0; g < groups; ++g)
+      round_group(x + r * x_stride + g * GROUP, &out.xq[r * k + g * GROUP],
+                  &out.step[r * groups + g], &out.sum[r * groups + g]);
   return out;
 }
 
@@ -137,7 +179,7 @@ inline void q4_group(const uint8_t* codes, const int16_t* xq, int64_t k, const f
     const __m256i* x = reinterpret_cast<const __m256i*>(xq + r * k);
     const __m256i x_low = _mm256_loadu_si256(x), x_high = _mm256_loadu_si256(x + 1);
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    const __m256i dot = _mm256_dpwssd_epi32(_mm256_madd_epi16(low, x_low), high, x_high);
+    const __m256i dot = _mm256_dpwssd_epi32(_mm256_dpwssd_epi32(_mm256_setzero_si256(), low, x_low), high, x_high);
 #else
     const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(low, x_low),
                                          _mm256_madd_epi16(high, x_high));
@@ -146,75 +188,113 @@ inline void q4_group(const uint8_t* codes, const int16_t* xq, int64_t k, const f
   }
 }
 
-inline float sum_lanes(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_hadd_ps(s, s);
-  return _mm_cvtss_f32(_mm_hadd_ps(s, s));
-}
-
 template <typename T, int R>
 void q4_product(const Q4Problem<T>& p, int threads) {
-  const int64_t groups = p.k / GROUP;
-  const RoundedRows& x = *p.x;
+  const int64_t n = p.n, k = p.k, groups = k / GROUP;
+  const int16_t* const xq = p.x->xq.data();
+  const float *const step = p.x->step.data(), *const sum = p.x->sum.data();
 #pragma omp parallel num_threads(threads)
   {
-    std::vector<float> scale(R * groups);
+    thread_local std::vector<float> buffer;
+    buffer.resize(R * groups);
+    float* const scale = buffer.data();  // a thread_local is found through a call, once
 #pragma omp for schedule(static)
-    for (int64_t o = 0; o < p.n; ++o) {
-      const uint8_t* codes = p.codes + o * (p.k / 2);
+    for (int64_t o = 0; o < n; ++o) {
+      const uint8_t* codes = p.codes + o * (k / 2);
       float shift[R];
       for (int r = 0; r < R; ++r)
-        shift[r] = output_scales(p.d + o * groups, p.m + o * groups, &x.step[r * groups],
-                                 &x.sum[r * groups], groups, &scale[r * groups]);
+        shift[r] = output_scales(p.d + o * groups, p.m + o * groups, step + r * groups,
+                                 sum + r * groups, groups, scale + r * groups);
       // even and odd groups sum apart: two chains of adds instead of one
       __m256 even[R], odd[R];
       for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm256_setzero_ps();
       int64_t g = 0;
       for (; g + 2 <= groups; g += 2) {
-        q4_group<R>(codes + g * 16, &x.xq[g * GROUP], p.k, &scale[g], groups, even);
-        q4_group<R>(codes + g * 16 + 16, &x.xq[g * GROUP + GROUP], p.k, &scale[g + 1], groups, odd);
+        q4_group<R>(codes + g * 16, xq + g * GROUP, k, scale + g, groups, even);
+        q4_group<R>(codes + g * 16 + 16, xq + g * GROUP + GROUP, k, scale + g + 1, groups, odd);
       }
-      if (g < groups) q4_group<R>(codes + g * 16, &x.xq[g * GROUP], p.k, &scale[g], groups, even);
+      if (g < groups) q4_group<R>(codes + g * 16, xq + g * GROUP, k, scale + g, groups, even);
       for (int r = 0; r < R; ++r)
-        narrow(sum_lanes(_mm256_add_ps(even[r], odd[r])) + shift[r], p.y + r * p.n + o);
+        narrow(lanes_sum(_mm256_add_ps(even[r], odd[r])) + shift[r], p.y + r * n + o);
     }
   }
 }
 
 template <typename T>
-int q4_any(const T* x, int64_t x_stride, int64_t rows, const uint8_t* codes, const T* d,
-           const T* m, T* y, int64_t n, int64_t k, int threads) {
-  if (k % GROUP != 0) return 1;
-  const RoundedRows rounded = round_rows(x, x_stride, rows, k);
+void q4_any(const T* x, int64_t x_stride, int64_t rows, const uint8_t* codes, const T* d,
+            const T* m, T* y, int64_t n, int64_t k, int threads) {
+  const RoundedRows& rounded = round_rows(x, x_stride, rows, k);
   const Q4Problem<T> p{&rounded, codes, d, m, y, n, k};
   switch (rows) {
-    case 1: q4_product<T, 1>(p, threads); return 0;
-    case 2: q4_product<T, 2>(p, threads); return 0;
-    case 3: q4_product<T, 3>(p, threads); return 0;
-    case 4: q4_product<T, 4>(p, threads); return 0;
-    default: return 1;
+    case 1: return q4_product<T, 1>(p, threads);
+    case 2: return q4_product<T, 2>(p, threads);
+    case 3: return q4_product<T, 3>(p, threads);
+    default: return q4_product<T, 4>(p, threads);
   }
 }
 #endif
 
-}  // namespace
+constexpr int64_t MOST_ROWS = 4;
 
-// x [rows][k] (rows `x_stride` apart), codes [n][k], scales [n], y [rows][n] contiguous, of
-// float32 (`bfloat16` 0) or bfloat16 (1). Returns 0: done; 1: rows not in 1..4 or k not a
-// multiple of the vector width; 2: out of memory.
-extern "C" int int8_rows_product(const void* x, int64_t x_stride, int64_t rows,
-                                 const int8_t* codes, const void* scales, void* y, int64_t n,
-                                 int64_t k, int bfloat16, int threads) {
-  try {
-    if (bfloat16)
-      return rows_any(static_cast<const bf16*>(x), x_stride, rows, codes,
-                      static_cast<const bf16*>(scales), static_cast<bf16*>(y), n, k, threads);
-    return rows_any(static_cast<const float*>(x), x_stride, rows, codes,
-                    static_cast<const float*>(scales), static_cast<float*>(y), n, k, threads);
-  } catch (const std::bad_alloc&) {
-    return 2;
-  }
+// x as the kernels read it: rows of the weight's dtype, each row's inputs contiguous
+at::Tensor rows_of(const at::Tensor& x, at::ScalarType dtype, int64_t k, int64_t multiple,
+                   const char* op) {
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.size(0) <= MOST_ROWS && x.size(1) == k && k % multiple == 0,
+                    op, ": x ", x.sizes(), " for a weight of ", k, " inputs; it takes 1-",
+                    MOST_ROWS, " rows of a multiple of ", multiple);
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, op, ": float32 or bfloat16 "
+              "scales, got ", dtype);
+  return x.scalar_type() == dtype && x.stride(1) == 1 ? x : x.to(dtype).contiguous();
 }
+
+at::Tensor int8_rows(const at::Tensor& x_in, const at::Tensor& codes, const at::Tensor& scales) {
+  TORCH_CHECK(codes.dim() == 2 && codes.is_contiguous() && codes.scalar_type() == at::kChar &&
+              scales.is_contiguous() && scales.numel() == codes.size(0),
+              "int8_rows: codes [n, k] int8 and scales [n], contiguous");
+  const int64_t n = codes.size(0), k = codes.size(1);
+  const at::Tensor x = rows_of(x_in, scales.scalar_type(), k, W, "int8_rows");
+  at::Tensor y = at::empty({x.size(0), n}, x.options());
+  if (x.size(0) == 0) return y;
+  const int threads = at::get_num_threads();
+  if (x.scalar_type() == at::kBFloat16)
+    rows_any(static_cast<const bf16*>(x.data_ptr()), x.stride(0), x.size(0),
+             codes.const_data_ptr<int8_t>(), static_cast<const bf16*>(scales.data_ptr()),
+             static_cast<bf16*>(y.data_ptr()), n, k, threads);
+  else
+    rows_any(x.const_data_ptr<float>(), x.stride(0), x.size(0), codes.const_data_ptr<int8_t>(),
+             scales.const_data_ptr<float>(), y.mutable_data_ptr<float>(), n, k, threads);
+  return y;
+}
+
+at::Tensor q4_rows(const at::Tensor& x_in, const at::Tensor& nibbles, const at::Tensor& steps) {
+  const int64_t n = nibbles.size(0), k = 2 * nibbles.size(1);
+  TORCH_CHECK(nibbles.dim() == 2 && nibbles.is_contiguous() &&
+              nibbles.scalar_type() == at::kByte && steps.is_contiguous() &&
+              steps.numel() == 2 * n * (k / 32),
+              "q4_rows: nibbles [n, k/2] uint8 and steps [2, n, k/32, 1], contiguous");
+#if defined(__AVX2__)
+  const at::Tensor x = rows_of(x_in, steps.scalar_type(), k, GROUP, "q4_rows");
+  at::Tensor y = at::empty({x.size(0), n}, x.options());
+  if (x.size(0) == 0) return y;
+  const int threads = at::get_num_threads();
+  const int64_t half = n * (k / GROUP);  // steps[1]: each group's m, after every d
+  if (x.scalar_type() == at::kBFloat16) {
+    const bf16* d = static_cast<const bf16*>(steps.data_ptr());
+    q4_any(static_cast<const bf16*>(x.data_ptr()), x.stride(0), x.size(0),
+           nibbles.const_data_ptr<uint8_t>(), d, d + half, static_cast<bf16*>(y.data_ptr()), n,
+           k, threads);
+  } else {
+    const float* d = steps.const_data_ptr<float>();
+    q4_any(x.const_data_ptr<float>(), x.stride(0), x.size(0), nibbles.const_data_ptr<uint8_t>(),
+           d, d + half, y.mutable_data_ptr<float>(), n, k, threads);
+  }
+  return y;
+#else
+  TORCH_CHECK_NOT_IMPLEMENTED(false, "q4_rows: not built for this CPU (it needs AVX2)");
+#endif
+}
+
+}  // namespace
 
 // 1 where this build has the int4 product (an AVX2 CPU or better), else 0.
 extern "C" int q4_rows_supported() {
@@ -225,25 +305,15 @@ extern "C" int q4_rows_supported() {
 #endif
 }
 
-// x [rows][k] (rows `x_stride` apart), codes [n][k/2], d and m [n][k/32], y [rows][n]
-// contiguous, of float32 (`bfloat16` 0) or bfloat16 (1). Returns 0: done; 1: rows not in 1..4
-// or k not a multiple of 32; 2: out of memory; 3: not built here (no AVX2).
-extern "C" int q4_rows_product(const void* x, int64_t x_stride, int64_t rows,
-                               const uint8_t* codes, const void* d, const void* m, void* y,
-                               int64_t n, int64_t k, int bfloat16, int threads) {
-#if defined(__AVX2__)
-  try {
-    if (bfloat16)
-      return q4_any(static_cast<const bf16*>(x), x_stride, rows, codes,
-                    static_cast<const bf16*>(d), static_cast<const bf16*>(m),
-                    static_cast<bf16*>(y), n, k, threads);
-    return q4_any(static_cast<const float*>(x), x_stride, rows, codes,
-                  static_cast<const float*>(d), static_cast<const float*>(m),
-                  static_cast<float*>(y), n, k, threads);
-  } catch (const std::bad_alloc&) {
-    return 2;
-  }
-#else
-  return 3;
-#endif
+// The ops' CPU kernels, registered once per process (engine/rank/quantized_rows.py calls this
+// after loading the library; a build loaded only to be looked at registers nothing).
+extern "C" int register_ops() {
+  static torch::Library* kernels = [] {
+    auto* library = new torch::Library(torch::Library::IMPL, "prefill", c10::DispatchKey::CPU,
+                                       __FILE__, __LINE__);
+    library->impl("int8_rows", TORCH_FN(int8_rows));
+    library->impl("q4_rows", TORCH_FN(q4_rows));
+    return library;
+  }();
+  return kernels != nullptr ? 0 : 1;
 }
