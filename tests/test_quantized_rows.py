@@ -176,6 +176,29 @@ def test_q4_a_non_finite_input_gives_non_finite_outputs(bad):
             <= _q4_bound(x[:1], values)[0]).all()
 
 
+def test_q4_groups_of_tiny_values_stay_close():
+    """Groups whose largest value is ~1e-36 (32767 / it overflows float32; its step lies
+    below float32's normal range) or subnormal (~1e-42): at most ~1e-38 off, float32's own
+    underflow, never the saturated codes an overflowed rounding would give (~1e-36 off)."""
+    weight, values = _q4_weight(16, 96, torch.float32, seed=6)
+    x = torch.randn(1, 96, generator=torch.Generator().manual_seed(7))
+    x[0, :32] *= 1e-36
+    y = qr.q4_product(x[:, :32].contiguous(), *_first_group(weight))
+    want = x[:, :32].double() @ values[:, :32].t()
+    assert ((y.double() - want).abs() <= _q4_bound(x[:, :32], values[:, :32]) + 1e-38).all()
+    assert (y.double() - want).abs().max() < 1e-3 * want.abs().max()
+    x[0, 32:64] *= 1e-42  # subnormal
+    y = qr.q4_product(x, weight.nibbles, weight.steps)
+    want = x.double() @ values.t()
+    assert ((y.double() - want).abs() <= _q4_bound(x, values) + 1e-38).all()
+
+
+def _first_group(weight):
+    """The nibbles and steps of a Q4 weight's first 32 inputs only."""
+    n, k = weight.shape
+    return (weight.nibbles[:, :16].contiguous(), weight.steps[:, :, :1].contiguous())
+
+
 def _in_a_build_for(march: str, tmp_path, code: str) -> str:
     """Run `code` in a process whose kernels are built for another kind of CPU (-march), run on
     this one (a process loads one build of the ops' kernels); its output."""

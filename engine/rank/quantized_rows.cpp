@@ -115,10 +115,13 @@ inline void round_group(const T* x, int16_t* xq, float* step, float* sum) {
   const float most = lanes_max(largest);
   *sum = lanes_sum(total);
   *step = std::isfinite(most) && !std::isnan(*sum) ? most / 32767.f : NAN;
-  const __m256 inverse = _mm256_set1_ps(most > 0.f && std::isfinite(most) ? 32767.f / most : 0.f);
+  // 32767 / most overflows for a group below ~1e-34: such values are scaled up by 2^64 first
+  const float lift = most < 1e-30f ? 0x1p64f : 1.f;
+  const float inverse = most > 0.f && std::isfinite(most) ? 32767.f / (most * lift) : 0.f;
+  const __m256 up = _mm256_set1_ps(lift), by = _mm256_set1_ps(inverse);
   for (int i = 0; i < 4; i += 2) {
-    const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inverse));
-    const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(v[i + 1], inverse));
+    const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_mul_ps(v[i], up), by));
+    const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_mul_ps(v[i + 1], up), by));
     // packs interleaves 128-bit halves (a0-3 b0-3 a4-7 b4-7): the permute puts them in order
     const __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(xq + 8 * i), packed);
@@ -307,13 +310,18 @@ extern "C" int q4_rows_supported() {
 
 // The ops' CPU kernels, registered once per process (engine/rank/quantized_rows.py calls this
 // after loading the library; a build loaded only to be looked at registers nothing).
+// Returns 1 where torch refuses them (another copy of this library registered its own first).
 extern "C" int register_ops() {
-  static torch::Library* kernels = [] {
-    auto* library = new torch::Library(torch::Library::IMPL, "prefill", c10::DispatchKey::CPU,
-                                       __FILE__, __LINE__);
-    library->impl("int8_rows", TORCH_FN(int8_rows));
-    library->impl("q4_rows", TORCH_FN(q4_rows));
-    return library;
-  }();
-  return kernels != nullptr ? 0 : 1;
+  try {
+    static torch::Library* kernels = [] {
+      auto* library = new torch::Library(torch::Library::IMPL, "prefill",
+                                         c10::DispatchKey::CPU, __FILE__, __LINE__);
+      library->impl("int8_rows", TORCH_FN(int8_rows));
+      library->impl("q4_rows", TORCH_FN(q4_rows));
+      return library;
+    }();
+    return kernels != nullptr ? 0 : 1;
+  } catch (const std::exception&) {
+    return 1;
+  }
 }
