@@ -1,5 +1,6 @@
 """`weights="int8" | "int4" | "gguf"`: the projections held as integer codes and scales, and
-multiplied by torch's weight-only CPU kernels (activations stay float32 or bfloat16).
+multiplied by torch's weight-only CPU kernels or, for a few rows where timed faster, the
+engine's own (engine.rank.quantized_rows); activations stay float32 or bfloat16.
 
 - int8: per output channel, symmetric: w = s[n] * q, q in -127..127 (`_weight_int8pack_mm`).
 - int4: groups of 32 inputs, asymmetric, as GGUF's Q4_1: w = d * q + m, q in 0..15, quantized

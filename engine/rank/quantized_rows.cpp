@@ -4,8 +4,8 @@
 // by every row. float32 or bfloat16 x, scales and y; float32 sums. Built against torch and loaded
 // by engine/rank/quantized_rows.py, which declares the ops prefill::int8_rows and
 // prefill::q4_rows; register_ops() gives them these CPU kernels. Called straight from torch's
-// dispatcher, eagerly or from a compiled graph: a call through ctypes and a Python op cost ~8 us
-// more, and a decode step makes ~120 of them.
+// dispatcher, eagerly or from a compiled graph: through ctypes and a Python op each call cost
+// several us more, and a decode step makes ~120 of them.
 //
 // int8 (weights="int8", and the LM head of every mode): codes [n][k], one scale per output
 // channel: y[r][n] = s[n] sum_k x[r][k] q[n][k].
