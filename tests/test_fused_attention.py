@@ -14,6 +14,7 @@ import torch
 
 from engine.rank import fused_attention as fa
 from engine.rank import kernel_choice as kc
+from tests.op_calls import op_calls
 from tests.reference import causal_attention_float64
 
 
@@ -413,8 +414,10 @@ def test_a_decode_graph_where_it_wins_runs_it_and_keeps_the_tokens(tiny_model_di
     for choice in ("fixed", "measure"):  # the built-in's graphs are kept first
         with LLM(str(path), kernel_choice=choice, compile=True, block_size=16,
                  enable_prefix_caching=False) as llm:
-            calls.clear()
-            tokens[choice] = [list(o.token_ids) for o in llm.generate(prompts, params)]
+            outputs, called = op_calls(llm, lambda: llm.generate(prompts, params),
+                                       {"prefill::fused_paged_decode"})
+            tokens[choice] = [list(o.token_ids) for o in outputs]
+            calls = [shapes[0][0] for _, shapes in called]  # each call's rows
             if choice == "fixed":
                 assert calls == []
             else:

@@ -17,6 +17,7 @@ import torch
 
 from engine.rank import quantized_rows as qr
 from engine.rank.cpp_library import MARCH_ENV
+from tests.op_calls import op_calls
 from engine.rank import kernel_choice as kc
 from engine.loading.gguf_blocks import Q4Blocks
 from engine.rank.quantized import from_q4_blocks, int4_groups, int8_per_channel
@@ -295,21 +296,7 @@ def test_an_engine_where_they_win_runs_them_and_keeps_the_tokens(tiny_model_dir,
     monkeypatch.setattr(kc, "_time_linear", lambda kernels, weight, rows, prepare=None: (
         {"torch": 3e-3, "fused": 1e-3} if set(kernels) == {"torch", "fused"}
         else timed(kernels, weight, rows, prepare)))
-    calls: list[tuple[str, int]] = []
-
-    def counted(llm, run):
-        """run() with the ops' calls on the engine's step thread recorded: (kind, outputs)."""
-        profile = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
-                                         record_shapes=True)
-        llm._core.call(profile.__enter__)  # the profiler records the thread it starts on
-        result = run()
-        llm._core.call(lambda: profile.__exit__(None, None, None))
-        names = {"prefill::int8_rows": "int8", "prefill::q4_rows": "int4"}
-        events = sorted((e for e in profile.events() if e.name in names),
-                        key=lambda e: e.time_range.start)
-        calls.extend((names[e.name], e.input_shapes[1][0]) for e in events)
-        return result
-
+    names = {"prefill::int8_rows": "int8", "prefill::q4_rows": "int4"}
     path = tiny_model_dir("llama")
     config = json.loads((path / "config.json").read_text())
     prompt = [(7 * i) % 200 + 3 for i in range(20)]
@@ -318,9 +305,9 @@ def test_an_engine_where_they_win_runs_them_and_keeps_the_tokens(tiny_model_dir,
     for choice in ("fixed", "measure"):
         with LLM(str(path), weights=weights, kernel_choice=choice, compile=compile,
                  enable_prefix_caching=False) as llm:
-            calls.clear()
-            tokens[choice] = list(counted(llm, lambda: llm.generate([prompt], params))[0]
-                                  .token_ids)
+            outputs, called = op_calls(llm, lambda: llm.generate([prompt], params), set(names))
+            tokens[choice] = list(outputs[0].token_ids)
+            calls = [(names[name], shapes[1][0]) for name, shapes in called]  # (kind, outputs)
             if choice == "fixed":
                 assert calls == []
             else:

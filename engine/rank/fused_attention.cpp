@@ -6,7 +6,10 @@
 // core's caches, and the query heads that share a KV head go through each K/V tile together.
 // float32 or bfloat16 inputs and output, float32 sums either way: bf16 products run as pair dot
 // products where the CPU has them (AVX512-BF16), else on widened copies.
-// Built and loaded by engine/rank/fused_attention.py, for the CPU it runs on (-march=native).
+// Built against torch and loaded by engine/rank/fused_attention.py, for the CPU it runs on
+// (-march=native). The decode step's is also the CPU kernel of the op prefill::fused_paged_decode
+// (register_ops, below), which compiled decode graphs call once a layer: through the Python
+// that checks and converts its arguments, each call cost ~15 us more than the kernel's work.
 //
 // Queries are the last num_q positions of a context of num_k keys. q [num_q, hq, d],
 // k/v [num_k, hkv, d] and out [num_q, hq, d] have contiguous heads; rows may be strided.
@@ -19,7 +22,11 @@
 #include <type_traits>
 #include <vector>
 
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
 #include <omp.h>
+#include <torch/library.h>
 
 #include "cpu_vectors.h"
 
@@ -607,5 +614,72 @@ extern "C" int fused_paged_decode(
     return paged_decode_any(p, head_dim, threads);
   } catch (const std::bad_alloc&) {
     return 2;
+  }
+}
+
+namespace {
+
+// t with each row's heads side by side (rows may be strided, as the QKV output's views are)
+at::Tensor heads_contiguous(const at::Tensor& t) {
+  return t.stride(2) == 1 && t.stride(1) == t.size(2) ? t : t.contiguous();
+}
+
+at::Tensor int32_contiguous(const at::Tensor& t) {
+  return t.scalar_type() == at::kInt && t.is_contiguous() ? t : t.to(at::kInt).contiguous();
+}
+
+// prefill::fused_paged_decode's CPU kernel: engine/rank/fused_attention.py's paged_decode,
+// whose checks it makes the same way.
+at::Tensor paged_decode_op(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+                           const at::Tensor& cache, int64_t layer, const at::Tensor& slot_mapping,
+                           const at::Tensor& block_table, const at::Tensor& context_lens,
+                           double scale) {
+  const auto dtype = q_in.scalar_type();
+  TORCH_CHECK_TYPE(k_in.scalar_type() == dtype && v_in.scalar_type() == dtype &&
+                       cache.scalar_type() == dtype && cache.is_contiguous() &&
+                       (dtype == at::kFloat || dtype == at::kBFloat16),
+                   "fused paged decode: q, k, v and a contiguous CPU cache of one dtype, float32 "
+                   "or bfloat16, got ", q_in.scalar_type(), "/", k_in.scalar_type(), "/",
+                   v_in.scalar_type(), " and ", cache.scalar_type());
+  const at::Tensor q = heads_contiguous(q_in), k = heads_contiguous(k_in),
+                   v = heads_contiguous(v_in);
+  const at::Tensor slots = int32_contiguous(slot_mapping), table = int32_contiguous(block_table),
+                   lens = int32_contiguous(context_lens);
+  at::Tensor out = at::empty_like(q, at::MemoryFormat::Contiguous);
+  const int64_t num_blocks = cache.size(2), block_size = cache.size(3), hkv = cache.size(4),
+                head_dim = cache.size(5), token = hkv * head_dim;
+  char* layer_k = static_cast<char*>(cache.data_ptr()) +
+                  layer * cache.stride(1) * cache.element_size();
+  char* layer_v = layer_k + cache.stride(0) * cache.element_size();
+  const int status = fused_paged_decode(
+      q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), layer_k,
+      layer_v, block_size * token, token, slots.const_data_ptr<int32_t>(),
+      table.const_data_ptr<int32_t>(), lens.const_data_ptr<int32_t>(), out.data_ptr(),
+      q.size(0), table.size(1), block_size, num_blocks, q.size(1), hkv, head_dim,
+      static_cast<float>(scale), dtype == at::kBFloat16, at::get_num_threads());
+  TORCH_CHECK(status != 1, "paged decode attention: the fused attention has no kernel for head "
+              "size ", head_dim);
+  TORCH_CHECK(status != 2, "paged decode attention: no memory for the fused attention's buffers");
+  TORCH_CHECK_INDEX(status != 3, "paged decode attention of ", q.size(0), " rows: a slot, block "
+                    "id or context length lies outside the KV cache (nothing was written)");
+  return out;
+}
+
+}  // namespace
+
+// The op's CPU kernel, registered once per load (engine/rank/fused_attention.py calls this; a
+// build loaded only to be looked at registers nothing). A later copy's registration replaces
+// an earlier one's, with torch's warning. Returns 1 where registering throws.
+extern "C" int register_ops() {
+  try {
+    static torch::Library* kernels = [] {
+      auto* library = new torch::Library(torch::Library::IMPL, "prefill",
+                                         c10::DispatchKey::CPU, __FILE__, __LINE__);
+      library->impl("fused_paged_decode", TORCH_FN(paged_decode_op));
+      return library;
+    }();
+    return kernels != nullptr ? 0 : 1;
+  } catch (const std::exception&) {
+    return 1;
   }
 }

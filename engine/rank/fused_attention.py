@@ -36,8 +36,9 @@ LIBRARY = CppLibrary(
                                 _i64, _i64, _i64, _float, _int, _int],
      "fused_paged_decode": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _ptr,
                             _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _i64, _float,
-                            _int, _int]},
-    "prompts keep SDPA and decode graphs their own attention")
+                            _int, _int],
+     "register_ops": []},
+    "prompts keep SDPA and decode graphs their own attention", register="register_ops")
 
 
 def available() -> bool:

@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING, Iterator
 
 import torch
 
-from engine.rank import fused_attention
 from engine.rank.kv_cache import store_into
 from parallel import graph_op
 
@@ -82,12 +81,13 @@ kv_store = graph_op.define(
 
 
 # A decode step's store and attention of one layer as one call to the fused CPU kernel
-# (engine.rank.fused_attention.paged_decode), for the compiled decode graph where it timed
+# (fused_attention.cpp registers it when the library loads; engine.rank.fused_attention.
+# paged_decode is the same through ctypes), for the compiled decode graph where it timed
 # faster than the graph's own attention (engine.rank.kernel_choice).
-fused_paged_decode = graph_op.define(
+fused_paged_decode = graph_op.declare(
     "fused_paged_decode(Tensor q, Tensor k, Tensor v, Tensor(a!) cache, SymInt layer, "
     "Tensor slot_mapping, Tensor block_table, Tensor context_lens, float scale) -> Tensor",
-    fused_attention.paged_decode, lambda q, *rest: q.new_empty(q.shape))
+    lambda q, *rest: q.new_empty(q.shape))
 
 
 class LayersGraphOps:

@@ -310,7 +310,8 @@ extern "C" int q4_rows_supported() {
 
 // The ops' CPU kernels, registered once per process (engine/rank/quantized_rows.py calls this
 // after loading the library; a build loaded only to be looked at registers nothing).
-// Returns 1 where torch refuses them (another copy of this library registered its own first).
+// A later copy's registration replaces an earlier one's, with torch's warning. Returns 1 where
+// registering throws.
 extern "C" int register_ops() {
   try {
     static torch::Library* kernels = [] {
