@@ -8,8 +8,8 @@
 // products where the CPU has them (AVX512-BF16), else on widened copies.
 // Built against torch and loaded by engine/rank/fused_attention.py, for the CPU it runs on
 // (-march=native). The decode step's is also the CPU kernel of the op prefill::fused_paged_decode
-// (register_ops, below), which compiled decode graphs call once a layer: through the Python
-// that checks and converts its arguments, each call cost ~15 us more than the kernel's work.
+// (register_ops, below), which compiled decode graphs call once a layer: called through Python
+// that checks and converts its arguments, a call cost more than the kernel's work.
 //
 // Queries are the last num_q positions of a context of num_k keys. q [num_q, hq, d],
 // k/v [num_k, hkv, d] and out [num_q, hq, d] have contiguous heads; rows may be strided.
@@ -26,9 +26,9 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty_like.h>
 #include <omp.h>
-#include <torch/library.h>
 
 #include "cpu_vectors.h"
+#include "torch_ops.h"
 
 namespace {
 
@@ -667,19 +667,10 @@ at::Tensor paged_decode_op(const at::Tensor& q_in, const at::Tensor& k_in, const
 
 }  // namespace
 
-// The op's CPU kernel, registered once per load (engine/rank/fused_attention.py calls this; a
-// build loaded only to be looked at registers nothing). A later copy's registration replaces
-// an earlier one's, with torch's warning. Returns 1 where registering throws.
+// The op's CPU kernel (engine/rank/fused_attention.py calls this after loading the library; a
+// build loaded only to be looked at registers nothing). 0: done; 1: registering threw.
 extern "C" int register_ops() {
-  try {
-    static torch::Library* kernels = [] {
-      auto* library = new torch::Library(torch::Library::IMPL, "prefill",
-                                         c10::DispatchKey::CPU, __FILE__, __LINE__);
-      library->impl("fused_paged_decode", TORCH_FN(paged_decode_op));
-      return library;
-    }();
-    return kernels != nullptr ? 0 : 1;
-  } catch (const std::exception&) {
-    return 1;
-  }
+  return register_cpu_kernels([](torch::Library& library) {
+    library.impl("fused_paged_decode", TORCH_FN(paged_decode_op));
+  });
 }

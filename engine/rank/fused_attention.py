@@ -12,7 +12,9 @@ times the kernel as it was before session 46: 1.09-1.30x slower; BENCHMARKS.md).
 A decode step's (`paged_decode`) stores the step's new K/V and reads each row's context through
 its block table in one call, with spans of one row's keys spread over the threads; the compiled
 decode graph calls it as one op per layer (engine.rank.padded_decode) where it timed faster
-than the graph's own fused tensor math (engine.rank.kernel_choice).
+than the graph's own fused tensor math (engine.rank.kernel_choice): the op
+prefill::fused_paged_decode (engine.rank.graph_ops), whose CPU kernel the library registers
+when it loads, so a graph calls the C++ without Python in between.
 
 It is C++ built on first use for this CPU (engine.rank.cpp_library). Where no compiler or build
 works it is simply not a candidate (engine.rank.kernel_choice times it against SDPA, and a CPU

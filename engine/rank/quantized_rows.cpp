@@ -25,9 +25,9 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <omp.h>
-#include <torch/library.h>
 
 #include "cpu_vectors.h"
+#include "torch_ops.h"
 
 namespace {
 
@@ -308,21 +308,11 @@ extern "C" int q4_rows_supported() {
 #endif
 }
 
-// The ops' CPU kernels, registered once per process (engine/rank/quantized_rows.py calls this
-// after loading the library; a build loaded only to be looked at registers nothing).
-// A later copy's registration replaces an earlier one's, with torch's warning. Returns 1 where
-// registering throws.
+// The ops' CPU kernels (engine/rank/quantized_rows.py calls this after loading the library; a
+// build loaded only to be looked at registers nothing). 0: done; 1: registering threw.
 extern "C" int register_ops() {
-  try {
-    static torch::Library* kernels = [] {
-      auto* library = new torch::Library(torch::Library::IMPL, "prefill",
-                                         c10::DispatchKey::CPU, __FILE__, __LINE__);
-      library->impl("int8_rows", TORCH_FN(int8_rows));
-      library->impl("q4_rows", TORCH_FN(q4_rows));
-      return library;
-    }();
-    return kernels != nullptr ? 0 : 1;
-  } catch (const std::exception&) {
-    return 1;
-  }
+  return register_cpu_kernels([](torch::Library& library) {
+    library.impl("int8_rows", TORCH_FN(int8_rows));
+    library.impl("q4_rows", TORCH_FN(q4_rows));
+  });
 }
