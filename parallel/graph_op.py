@@ -21,11 +21,9 @@ def define(schema: str, impl: Callable, fake: Callable) -> torch._ops.OpOverload
     """The op `prefill::<schema>`: `impl` runs it on every device, `fake` gives its output's
     shape when graphs are traced. An argument the op writes is marked `Tensor(a!)` in the
     schema, so a graph orders the op against the tensor's other readers."""
-    name = schema.split("(", 1)[0]
-    _LIBRARY.define(schema)
-    _LIBRARY.impl(name, impl, "CompositeExplicitAutograd")
-    torch.library.register_fake(f"prefill::{name}", fake, lib=_LIBRARY)
-    return getattr(torch.ops.prefill, name).default
+    op = declare(schema, fake)
+    _LIBRARY.impl(schema.split("(", 1)[0], impl, "CompositeExplicitAutograd")
+    return op
 
 
 def declare(schema: str, fake: Callable) -> torch._ops.OpOverload:

@@ -14,6 +14,7 @@ import torch
 
 from engine.rank import fused_attention as fa
 from engine.rank import kernel_choice as kc
+from tests.cpu_features import run_in_a_build_for
 from tests.op_calls import op_calls
 from tests.reference import causal_attention_float64
 
@@ -111,13 +112,21 @@ def test_every_head_size_it_is_built_for(d, dtype):
 
 @pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"),
                     reason="this CPU cannot run code built for AVX2")
-def test_the_build_for_an_avx2_only_cpu_matches_float64(tmp_path, monkeypatch):
+def test_the_build_for_an_avx2_only_cpu_matches_float64(tmp_path):
     """The code an AVX2-only CPU (as our EPYC without AVX512) runs: 8-wide vectors, lanes as
     integer vectors instead of mask registers, 2^n from exponent bits, bf16 widened. Built here
     for that kind of CPU (-march=x86-64-v3) and run on this one: prompts (scores that climb,
-    moving the running max) and decode steps, float32 and bf16."""
-    library = fa.LIBRARY.open(fa.LIBRARY.build(tmp_path, "g++", march="x86-64-v3"))
-    monkeypatch.setattr(fa, "_kernels", lambda: library)
+    moving the running max) and decode steps (the op's kernel, which the process registers from
+    its one build: so in a process of its own), float32 and bf16."""
+    out = run_in_a_build_for("x86-64-v3", tmp_path, (
+        "from tests.test_fused_attention import _avx2_build_matches_float64\n"
+        "_avx2_build_matches_float64()\n"
+        "print('checked')\n"))
+    assert out.split() == ["checked"]
+
+
+def _avx2_build_matches_float64() -> None:
+    assert fa.available()
     for dtype in fa.DTYPES:
         q, k, v = _climbing(37, 300, 0.05, dtype, seed=3)
         torch.testing.assert_close(fa.causal_attention(q, k, v, 0.125).double(),
@@ -396,16 +405,6 @@ def test_a_decode_graph_where_it_wins_runs_it_and_keeps_the_tokens(tiny_model_di
     # may time faster, and would never reach the decode graph)
     monkeypatch.setattr(kc, "_time_step", lambda kind, candidates, rounds: [
         run() for run in candidates.values()] and {"graph": 1.0, "eager": 2.0})
-    library, calls = fa._kernels(), []
-
-    class Counted:
-        fused_causal_attention = library.fused_causal_attention
-
-        def fused_paged_decode(self, *args):
-            calls.append(args[14])  # the rows
-            return library.fused_paged_decode(*args)
-
-    monkeypatch.setattr(fa, "_kernels", Counted)
     path = tiny_model_dir("llama")
     layers = json.loads((path / "config.json").read_text())["num_hidden_layers"]
     prompts = [[(7 * i) % 200 + 3 for i in range(40)], [(5 * i) % 150 + 9 for i in range(23)]]

@@ -7,16 +7,11 @@ where they win, whose decode steps run them for every projection (and the int8 L
 eagerly and in the compiled decode graph, with the tokens of torch's kernels."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from engine.rank import quantized_rows as qr
-from engine.rank.cpp_library import MARCH_ENV
+from tests.cpu_features import run_in_a_build_for
 from tests.op_calls import op_calls
 from engine.rank import kernel_choice as kc
 from engine.loading.gguf_blocks import Q4Blocks
@@ -200,19 +195,9 @@ def _first_group(weight):
     return (weight.nibbles[:, :16].contiguous(), weight.steps[:, :, :1].contiguous())
 
 
-def _in_a_build_for(march: str, tmp_path, code: str) -> str:
-    """Run `code` in a process whose kernels are built for another kind of CPU (-march), run on
-    this one (a process loads one build of the ops' kernels); its output."""
-    env = {**os.environ, MARCH_ENV: march, "PREFILL_ENGINE_CACHE": str(tmp_path)}
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env=env, cwd=Path(__file__).parent.parent, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout
-
-
 def test_q4_built_for_avx2_without_vnni(tmp_path):
     """The AVX2 CPUs' code (vpmaddwd, no vpdpwssd), within the same bound."""
-    out = _in_a_build_for("x86-64-v3", tmp_path, (
+    out = run_in_a_build_for("x86-64-v3", tmp_path, (
         "import torch\n"
         "from engine.rank import quantized_rows as qr\n"
         "from tests.test_quantized_rows import _check_q4\n"
@@ -225,7 +210,7 @@ def test_q4_built_for_avx2_without_vnni(tmp_path):
 
 def test_q4_on_a_cpu_without_avx2_is_not_offered(tmp_path):
     """int8 still runs there; int4's op says why it does not, and is never timed."""
-    out = _in_a_build_for("x86-64", tmp_path, (
+    out = run_in_a_build_for("x86-64", tmp_path, (
         "import torch\n"
         "from engine.rank import kernel_choice as kc, quantized_rows as qr\n"
         "from tests.test_quantized_rows import _q4_weight\n"

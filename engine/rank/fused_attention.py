@@ -29,6 +29,7 @@ import torch
 
 from engine.rank.attention import sdpa_attention
 from engine.rank.cpp_library import CppLibrary
+from parallel import graph_op
 
 HEAD_DIMS = (16, 32, 64, 96, 128, 256)  # the head sizes the kernel is built for
 _i64, _ptr, _float, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
@@ -36,9 +37,6 @@ LIBRARY = CppLibrary(
     Path(__file__).with_suffix(".cpp"), "fused CPU attention",
     {"fused_causal_attention": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64,
                                 _i64, _i64, _i64, _float, _int, _int],
-     "fused_paged_decode": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _ptr,
-                            _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64, _i64, _i64, _float,
-                            _int, _int],
      "register_ops": []},
     "prompts keep SDPA and decode graphs their own attention", register="register_ops")
 
@@ -96,30 +94,19 @@ def paged_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: torch
     each row's query q [rows, hq, d] over the first context_lens[row] tokens of its blocks
     (`block_table` [rows, width]). Returns [rows, hq, d]. Only where `takes_paged_decode`
     and `available()`; an index outside the cache raises IndexError, nothing written."""
-    kernels = _kernels()
-    if kernels is None:
+    if _kernels() is None:
         raise RuntimeError("the fused CPU attention is not built on this machine")
-    if not (q.dtype is k.dtype is v.dtype is cache.dtype and cache.is_contiguous()
-            and q.device.type == "cpu"):
-        raise TypeError(f"fused paged decode: q, k, v and a contiguous CPU cache of one dtype, "
-                        f"got {q.dtype}/{k.dtype}/{v.dtype} and {cache.dtype} on {q.device}")
-    # a decode step runs this once per layer: every Python call here costs ~1 % of it
-    q, k, v = _heads_contiguous(q), _heads_contiguous(k), _heads_contiguous(v)
-    slots, table, lens = (t if t.dtype is torch.int32 and t.is_contiguous()
-                          else t.to(torch.int32).contiguous()
-                          for t in (slot_mapping, block_table, context_lens))
-    out = q.new_empty(q.shape)
-    _, _, num_blocks, block_size, hkv, head_dim = cache.shape
-    token = hkv * head_dim  # the cache is contiguous (checked above)
-    layer_k = cache.data_ptr() + layer * cache.stride(1) * cache.element_size()
-    layer_v = layer_k + cache.stride(0) * cache.element_size()
-    status = kernels.fused_paged_decode(
-        q.data_ptr(), q.stride(0), k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
-        layer_k, layer_v, block_size * token, token, slots.data_ptr(), table.data_ptr(),
-        lens.data_ptr(), out.data_ptr(), len(q), table.shape[1], block_size, num_blocks,
-        q.shape[1], hkv, head_dim, scale, q.dtype == torch.bfloat16, torch.get_num_threads())
-    _check(status, f"paged decode attention of {len(q)} rows")
-    return out
+    return fused_paged_decode(q, k, v, cache, layer, slot_mapping, block_table, context_lens,
+                              scale)
+
+
+# The op the compiled decode graph calls (engine.rank.padded_decode); its CPU kernel, which
+# checks the arguments as paged_decode says, is fused_attention.cpp's, registered when the
+# library loads: a graph calls the C++ with no Python in between.
+fused_paged_decode = graph_op.declare(
+    "fused_paged_decode(Tensor q, Tensor k, Tensor v, Tensor(a!) cache, SymInt layer, "
+    "Tensor slot_mapping, Tensor block_table, Tensor context_lens, float scale) -> Tensor",
+    lambda q, *rest: q.new_empty(q.shape))
 
 
 def _check(status: int, what: str) -> None:
@@ -127,9 +114,6 @@ def _check(status: int, what: str) -> None:
         raise RuntimeError(f"{what}: the fused attention has no kernel for this head size")
     if status == 2:
         raise MemoryError(f"{what}: no memory for the fused attention's buffers")
-    if status == 3:
-        raise IndexError(f"{what}: a slot, block id or context length lies outside the KV "
-                         f"cache (nothing was written)")
 
 
 def source_hash() -> str:

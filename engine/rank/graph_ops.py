@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Iterator
 
 import torch
 
+from engine.rank import fused_attention
 from engine.rank.kv_cache import store_into
 from parallel import graph_op
 
@@ -80,14 +81,10 @@ kv_store = graph_op.define(
     lambda k, v, cache, layer, slot_mapping: None)
 
 
-# A decode step's store and attention of one layer as one call to the fused CPU kernel
-# (fused_attention.cpp registers it when the library loads; engine.rank.fused_attention.
-# paged_decode is the same through ctypes), for the compiled decode graph where it timed
-# faster than the graph's own attention (engine.rank.kernel_choice).
-fused_paged_decode = graph_op.declare(
-    "fused_paged_decode(Tensor q, Tensor k, Tensor v, Tensor(a!) cache, SymInt layer, "
-    "Tensor slot_mapping, Tensor block_table, Tensor context_lens, float scale) -> Tensor",
-    lambda q, *rest: q.new_empty(q.shape))
+# A decode step's store and attention of one layer as one call to the fused CPU kernel, for
+# the compiled decode graph where it timed faster than the graph's own attention
+# (engine.rank.kernel_choice); declared beside its library
+fused_paged_decode = fused_attention.fused_paged_decode
 
 
 class LayersGraphOps:
