@@ -399,8 +399,10 @@ int attend_any(const Problem<T>& p, int64_t head_dim, int threads) {
 // spans of DECODE_KEYS, every head, so one row keeps every thread busy and each unit reads whole
 // token rows (all KV heads: consecutive memory within a block); each unit leaves its span's
 // max, sum and unnormalized output per query head, and a second pass merges a row's spans (as
-// the online softmax would).
-constexpr int64_t DECODE_KEYS = 64;
+// the online softmax would). Units are dealt to the threads in turn, so each thread knows its
+// next unit and fetches that one's rows while it computes the current one (Fetcher): a long
+// context's keys and values come from memory, and the passes over them would otherwise wait.
+constexpr int64_t DECODE_KEYS = 128;
 
 template <typename T>
 struct DecodeProblem {
@@ -453,31 +455,201 @@ inline void for_each_key(const DecodeProblem<T>& p, const T* cache, int64_t row,
   }
 }
 
-// keys [j0, j1) of `row` for every query head: `scores` hq x DECODE_KEYS, `queries` hq x D,
-// `part` hq x PART
+// Sums of vectors' lanes, W vectors at a time: lane i of the result is the sum of v[i]'s lanes.
+// A tree of shuffles and adds (2 shuffles and an add per pair of vectors, W - 1 pairs) instead of
+// a horizontal sum per vector: level 1 pairs neighbouring lanes of two vectors, level 2 pairs of
+// pairs, so each 4-lane block holds 4 vectors' partial sums; later levels add 4-lane blocks.
+inline vf fold(vf a, vf b, int level) {
+#if defined(__AVX512F__)
+  if (level == 1)
+    return __builtin_shufflevector(a, b, 0, 16, 1, 17, 4, 20, 5, 21, 8, 24, 9, 25, 12, 28, 13,
+                                   29) +
+           __builtin_shufflevector(a, b, 2, 18, 3, 19, 6, 22, 7, 23, 10, 26, 11, 27, 14, 30, 15,
+                                   31);
+  if (level == 2)
+    return __builtin_shufflevector(a, b, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28,
+                                   29) +
+           __builtin_shufflevector(a, b, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30,
+                                   31);
+  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+         __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+#else
+  if (level == 1)
+    return __builtin_shufflevector(a, b, 0, 8, 1, 9, 4, 12, 5, 13) +
+           __builtin_shufflevector(a, b, 2, 10, 3, 11, 6, 14, 7, 15);
+  if (level == 2)
+    return __builtin_shufflevector(a, b, 0, 1, 8, 9, 4, 5, 12, 13) +
+           __builtin_shufflevector(a, b, 2, 3, 10, 11, 6, 7, 14, 15);
+  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11) +
+         __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15);
+#endif
+}
+
+inline vf lane_sums(vf* v) {  // v[W], overwritten
+  for (int n = W, level = 1; n > 1; n /= 2, ++level)
+    for (int i = 0; i < n / 2; ++i) v[i] = fold(v[2 * i], v[2 * i + 1], level);
+  return v[0];
+}
+
+// A query head's dot product with one key, before its lanes are summed: float32 vectors (a bf16
+// cache's keys widened), or (AVX512-BF16, D a multiple of 32) bf16 pairs straight from the cache,
+// exact products summed in float32 and scaled after the lanes are.
 template <typename T, int D>
-void decode_span(const DecodeProblem<T>& p, int64_t row, int64_t j0, int64_t j1, float* scores,
-                 float* queries, float* part) {
-  const int64_t group = p.hq / p.hkv, n = j1 - j0;
-  for (int64_t qh = 0; qh < p.hq; ++qh)
-    for (int c = 0; c < D; c += W)
-      store(queries + qh * D + c,  // scores in powers of 2 (vexp2)
-            load_widened(p.q + row * p.q_stride + qh * D + c) * (p.scale * LOG2E));
-  for_each_key(p, p.k_cache, row, j0, j1, [&](int64_t i, const T* token) {
-    // the same token's V row, which the second pass reads: fetched while the scores are made
-    const char* value = reinterpret_cast<const char*>(p.v_cache + (token - p.k_cache));
-    for (size_t line = 0; line < p.hkv * D * sizeof(T); line += 64)
-      __builtin_prefetch(value + line);
-    for (int64_t h = 0; h < p.hkv; ++h) {
-      vf k[D / W];
-      for (int c = 0; c < D / W; ++c) k[c] = load_widened(token + h * D + c * W);
-      for (int64_t qh = h * group; qh < (h + 1) * group; ++qh) {
-        vf acc = splat(0.f);
-        for (int c = 0; c < D / W; ++c) acc += load(queries + qh * D + c * W) * k[c];
-        scores[qh * DECODE_KEYS + i] = hsum(acc);
+struct DecodeScores {
+  vf q[D / W];  // one query head's, scaled
+  void set(const T* query, float scale) {
+    for (int c = 0; c < D / W; ++c) q[c] = load_widened(query + c * W) * scale;
+  }
+  static float after(float) { return 1.f; }  // the scale is in q
+  struct Key {
+    vf k[D / W];
+    explicit Key(const T* key) {
+      for (int c = 0; c < D / W; ++c) k[c] = load_widened(key + c * W);
+    }
+  };
+  vf partial(const Key& key) const {
+    vf acc = q[0] * key.k[0];
+    for (int c = 1; c < D / W; ++c) acc += q[c] * key.k[c];
+    return acc;
+  }
+};
+
+#if defined(__AVX512BF16__)
+template <int D>
+  requires(D % 32 == 0)
+struct DecodeScores<bf16, D> {
+  __m512bh q[D / 32];
+  void set(const bf16* query, float) {
+    for (int c = 0; c < D / 32; ++c) q[c] = (__m512bh)_mm512_loadu_si512(query + c * 32);
+  }
+  static float after(float scale) { return scale; }  // applied to the sums
+  struct Key {
+    __m512bh k[D / 32];
+    explicit Key(const bf16* key) {
+      for (int c = 0; c < D / 32; ++c) k[c] = (__m512bh)_mm512_loadu_si512(key + c * 32);
+    }
+  };
+  vf partial(const Key& key) const {
+    __m512 acc = _mm512_dpbf16_ps(_mm512_setzero_ps(), q[0], key.k[0]);
+    for (int c = 1; c < D / 32; ++c) acc = _mm512_dpbf16_ps(acc, q[c], key.k[c]);
+    return (vf)acc;
+  }
+};
+#endif
+
+// query heads per pass over a KV head's keys or values (their sums held in registers)
+constexpr int64_t DECODE_HEADS = 4;
+
+// A work unit's keys: each one's row of the K cache (every KV head; its V row lies at the same
+// offset in the V cache).
+template <typename T>
+struct SpanKeys {
+  const T* rows[DECODE_KEYS];
+  int64_t n = 0;
+};
+
+// The K and V rows of the thread's next unit, fetched into the caches a few lines at each step
+// of the current unit's passes (a key's dot products, or its values, for one KV head): memory
+// then works while the current unit computes, instead of each pass waiting on its own reads.
+template <typename T>
+class Fetcher {
+ public:
+  Fetcher(const DecodeProblem<T>& p, const SpanKeys<T>& next, int64_t head_elems, int64_t steps)
+      : next_(next), to_v_(p.v_cache - p.k_cache), row_bytes_(head_elems * int64_t(sizeof(T))) {
+    const int64_t lines = next.n * ((row_bytes_ + 63) / 64);  // each a K line and a V line
+    per_step_ = steps > 0 ? (lines + steps - 1) / steps : 0;
+  }
+  void step() {
+    for (int64_t i = 0; i < per_step_ && key_ < next_.n; ++i) {
+      const char* k = reinterpret_cast<const char*>(next_.rows[key_]) + at_;
+      __builtin_prefetch(k);
+      __builtin_prefetch(k + to_v_ * int64_t(sizeof(T)));
+      if ((at_ += 64) >= row_bytes_) at_ = 0, ++key_;
+    }
+  }
+
+ private:
+  const SpanKeys<T>& next_;
+  const int64_t to_v_, row_bytes_;  // V's offset from K (elements); a token's row (bytes)
+  int64_t per_step_ = 0, key_ = 0, at_ = 0;
+};
+
+// scores [hq][DECODE_KEYS] of the span's keys, in powers of 2 (vexp2): W keys at a time, each
+// query head's dot products lane-summed by a tree
+template <typename T, int D>
+void span_scores(const DecodeProblem<T>& p, int64_t row, const SpanKeys<T>& keys,
+                 Fetcher<T>& fetcher, float* scores) {
+  using Scores = DecodeScores<T, D>;
+  const int64_t group = p.hq / p.hkv, n = keys.n;
+  const float scale = p.scale * LOG2E;
+  vf sums[DECODE_HEADS][W];
+  for (int64_t h = 0; h < p.hkv; ++h)
+    for (int64_t g0 = 0; g0 < group; g0 += DECODE_HEADS) {
+      const int64_t heads = std::min(DECODE_HEADS, group - g0), qh0 = h * group + g0;
+      Scores queries[DECODE_HEADS];
+      for (int64_t g = 0; g < heads; ++g)
+        queries[g].set(p.q + row * p.q_stride + (qh0 + g) * D, scale);
+      for (int64_t i0 = 0; i0 < n; i0 += W) {
+        for (int i = 0; i < W; ++i) {
+          if (i0 + i >= n) {  // past the span: zeros, masked by the softmax
+            for (int64_t g = 0; g < heads; ++g) sums[g][i] = splat(0.f);
+            continue;
+          }
+          if (g0 == 0) fetcher.step();
+          const typename Scores::Key key(keys.rows[i0 + i] + h * D);
+          for (int64_t g = 0; g < heads; ++g) sums[g][i] = queries[g].partial(key);
+        }
+        for (int64_t g = 0; g < heads; ++g)
+          store(scores + (qh0 + g) * DECODE_KEYS + i0, lane_sums(sums[g]) * Scores::after(scale));
       }
     }
-  });
+}
+
+// each query head's sum of its probabilities times V [hq][D] into `part` (stride PART): a KV
+// head's value rows widened once for the query heads that share them
+template <typename T, int D>
+void span_values(const DecodeProblem<T>& p, const SpanKeys<T>& keys, Fetcher<T>& fetcher,
+                 const float* weights, float* part) {
+  const int64_t group = p.hq / p.hkv;
+  for (int64_t h = 0; h < p.hkv; ++h)
+    for (int64_t g0 = 0; g0 < group; g0 += DECODE_HEADS) {
+      const int64_t heads = std::min(DECODE_HEADS, group - g0), qh0 = h * group + g0;
+      vf acc[DECODE_HEADS][D / W];
+      for (int64_t g = 0; g < heads; ++g)
+        for (int c = 0; c < D / W; ++c) acc[g][c] = splat(0.f);
+      for (int64_t i = 0; i < keys.n; ++i) {
+        if (g0 == 0) fetcher.step();
+        const T* value = p.v_cache + (keys.rows[i] - p.k_cache) + h * D;
+        vf v[D / W];
+        for (int c = 0; c < D / W; ++c) v[c] = load_widened(value + c * W);
+        for (int64_t g = 0; g < heads; ++g) {
+          const vf weight = splat(weights[(qh0 + g) * DECODE_KEYS + i]);
+          for (int c = 0; c < D / W; ++c) acc[g][c] += weight * v[c];
+        }
+      }
+      for (int64_t g = 0; g < heads; ++g)
+        for (int c = 0; c < D / W; ++c) store(part + (qh0 + g) * PART<D> + c * W, acc[g][c]);
+    }
+}
+
+// unit u's keys (none past the last unit, or past its row's context)
+template <typename T>
+void unit_keys(const DecodeProblem<T>& p, int64_t u, int64_t units, int64_t max_spans,
+               SpanKeys<T>& keys) {
+  const int64_t row = u / max_spans, j0 = u % max_spans * DECODE_KEYS;
+  const int64_t j1 = u < units ? std::min<int64_t>(j0 + DECODE_KEYS, p.lens[row]) : j0;
+  for_each_key(p, p.k_cache, row, j0, j1, [&](int64_t i, const T* key) { keys.rows[i] = key; });
+  keys.n = std::max<int64_t>(j1 - j0, 0);
+}
+
+// a unit's keys for every query head, fetching `next`'s meanwhile: `scores` hq x DECODE_KEYS,
+// `part` hq x PART
+template <typename T, int D>
+void decode_span(const DecodeProblem<T>& p, int64_t row, const SpanKeys<T>& keys,
+                 const SpanKeys<T>& next, float* scores, float* part) {
+  const int64_t n = keys.n;
+  Fetcher<T> fetcher(p, next, p.hkv * D, 2 * n * p.hkv);
+  span_scores<T, D>(p, row, keys, fetcher, scores);
   const int64_t span = (n + W - 1) / W * W;
   for (int64_t qh = 0; qh < p.hq; ++qh) {
     float* s = scores + qh * DECODE_KEYS;
@@ -494,17 +666,7 @@ void decode_span(const DecodeProblem<T>& p, int64_t row, int64_t j0, int64_t j1,
     part[qh * PART<D> + D] = m;
     part[qh * PART<D> + D + 1] = hsum(sum);
   }
-  for (int64_t qh = 0; qh < p.hq; ++qh) {  // a head's sum in registers; V rereads hit the cache
-    vf acc[D / W];
-    for (int c = 0; c < D / W; ++c) acc[c] = splat(0.f);
-    const float* weights = scores + qh * DECODE_KEYS;
-    const int64_t at = qh / group * D;
-    for_each_key(p, p.v_cache, row, j0, j1, [&](int64_t i, const T* token) {
-      const vf weight = splat(weights[i]);
-      for (int c = 0; c < D / W; ++c) acc[c] += weight * load_widened(token + at + c * W);
-    });
-    for (int c = 0; c < D / W; ++c) store(part + qh * PART<D> + c * W, acc[c]);
-  }
+  span_values<T, D>(p, keys, fetcher, scores, part);
 }
 
 // query head qh of `row`: its spans' outputs, each weighted by e^(its max - the row's max)
@@ -532,20 +694,24 @@ template <typename T, int D>
 void paged_decode(const DecodeProblem<T>& p, int threads) {
   int64_t max_spans = 0;
   for (int64_t r = 0; r < p.rows; ++r) max_spans = std::max(max_spans, spans(p.lens[r]));
-  const int64_t units = p.rows * max_spans, per_thread = p.hq * (DECODE_KEYS + D);
+  const int64_t units = p.rows * max_spans, per_thread = p.hq * DECODE_KEYS;
   std::vector<float> parts(static_cast<size_t>(units * p.hq * PART<D>));
   std::vector<float> scratch(static_cast<size_t>(threads * per_thread));
   store_new_tokens(p, p.hkv * D);
 #pragma omp parallel num_threads(threads)
   {
     float* scores = scratch.data() + omp_get_thread_num() * per_thread;
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t u = 0; u < units; ++u) {
-      const int64_t row = u / max_spans, j0 = u % max_spans * DECODE_KEYS;
-      const int64_t j1 = std::min<int64_t>(j0 + DECODE_KEYS, p.lens[row]);
-      if (j0 < j1)
-        decode_span<T, D>(p, row, j0, j1, scores, scores + p.hq * DECODE_KEYS,
-                          parts.data() + u * p.hq * PART<D>);
+    SpanKeys<T> keys[2];  // this unit's and the next one's, in turn
+    const int64_t team = omp_get_num_threads();
+    bool first = true;
+#pragma omp for schedule(static, 1)
+    for (int64_t u = 0; u < units; ++u) {  // this thread's units: u, u + team, ...
+      SpanKeys<T>& now = keys[u / team % 2];
+      SpanKeys<T>& next = keys[(u / team + 1) % 2];
+      if (first) unit_keys(p, u, units, max_spans, now), first = false;  // else the last next
+      unit_keys(p, u + team, units, max_spans, next);
+      if (now.n > 0)
+        decode_span<T, D>(p, u / max_spans, now, next, scores, parts.data() + u * p.hq * PART<D>);
     }
 #pragma omp for
     for (int64_t u = 0; u < p.rows * p.hq; ++u)
