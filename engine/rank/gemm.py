@@ -83,16 +83,16 @@ def matvec(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     return (y if bias is None else y + bias.float()).to(x.dtype)
 
 
-# x widened to float32 into a buffer of its own, as an opaque op: inductor fuses whatever
-# computed x (a layer's RMSNorm of x + residual) into the product's loop and computes it again
-# for every output row, loading and widening three bf16 vectors per weight vector read. With
-# bf16 rows written once, SmolLM2's compiled bf16 decode ran 65-71 tok/s against 55-61 (2
-# threads of the AVX512-BF16 EPYC, three A/B pairs of 4 runs, session 45). float32 rows keep
-# the fused loop: the op's call cost more than the recomputing saved there (40 against 43).
-widened_rows = graph_op.define(
-    "widened_rows(Tensor x) -> Tensor",
-    lambda x: torch.empty(x.shape, dtype=torch.float32, device=x.device).copy_(x),
-    lambda x: x.new_empty(x.shape, dtype=torch.float32))
+def widened_rows(x: torch.Tensor) -> torch.Tensor:
+    """x widened to float32 into a buffer of its own, inside a graph. Left to itself, inductor
+    fuses whatever computed x (a layer's RMSNorm of x + residual) into the product's loop and
+    computes it again for every output row, loading and widening three bf16 vectors per weight
+    vector read. Asking for the widened rows in a fixed layout makes inductor write them once,
+    in the kernel that computes them, and the product read them. This replaced an opaque op
+    (a Python kernel called 4 times a layer) that did the same and split each layer's graph
+    around it: a compiled bf16 decode layer is now two C++ kernels and the attention."""
+    wide = x.float()
+    return torch.ops.prims.inductor_force_stride_order(wide, wide.stride())
 
 
 class PromptCopies:
