@@ -608,8 +608,8 @@ void span_scores(const DecodeProblem<T>& p, int64_t row, const SpanKeys<T>& keys
 // each query head's sum of its probabilities times V [hq][D] into `part` (stride PART): a KV
 // head's value rows widened once for the query heads that share them
 template <typename T, int D>
-void span_values(const DecodeProblem<T>& p, const SpanKeys<T>& keys, Fetcher<T>& fetcher,
-                 const float* weights, float* part) {
+void widened_values(const DecodeProblem<T>& p, const SpanKeys<T>& keys, Fetcher<T>& fetcher,
+                    const float* weights, float* part) {
   const int64_t group = p.hq / p.hkv;
   for (int64_t h = 0; h < p.hkv; ++h)
     for (int64_t g0 = 0; g0 < group; g0 += DECODE_HEADS) {
@@ -630,6 +630,73 @@ void span_values(const DecodeProblem<T>& p, const SpanKeys<T>& keys, Fetcher<T>&
       for (int64_t g = 0; g < heads; ++g)
         for (int c = 0; c < D / W; ++c) store(part + (qh0 + g) * PART<D> + c * W, acc[g][c]);
     }
+}
+
+#if defined(__AVX512BF16__)
+// The same for a bf16 cache with AVX512-BF16 (D a multiple of 32): two keys' value rows
+// interleaved into bf16 pairs, against the two keys' probabilities rounded to bf16 (as the
+// prompt's P V rounds them), one pair product per two keys and 16 lanes of D, instead of
+// widening every value and one product per key. The interleave (unpacklo/hi within 128-bit
+// lanes) leaves each accumulator's lanes in D order by blocks of 4: put back when stored.
+template <int D>
+  requires(D % 32 == 0)
+void paired_values(const DecodeProblem<bf16>& p, const SpanKeys<bf16>& keys,
+                   Fetcher<bf16>& fetcher, const float* weights, float* part) {
+  const int64_t group = p.hq / p.hkv;
+  const __m512i first = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+  const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(8));
+  for (int64_t h = 0; h < p.hkv; ++h)
+    for (int64_t g0 = 0; g0 < group; g0 += DECODE_HEADS) {
+      const int64_t heads = std::min(DECODE_HEADS, group - g0), qh0 = h * group + g0;
+      // the heads' probabilities as bf16; past the span's end they are 0 (the softmax's)
+      alignas(64) uint16_t probs[DECODE_HEADS][DECODE_KEYS];
+      for (int64_t g = 0; g < heads; ++g)
+        for (int64_t j = 0; j < keys.n; j += W)
+          _mm256_store_si256(reinterpret_cast<__m256i*>(&probs[g][j]),
+                             (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(
+                                 weights + (qh0 + g) * DECODE_KEYS + j)));
+      __m512 acc[DECODE_HEADS][D / 16];
+      for (int64_t g = 0; g < heads; ++g)
+        for (int c = 0; c < D / 16; ++c) acc[g][c] = _mm512_setzero_ps();
+      for (int64_t i = 0; i < keys.n; i += 2) {
+        if (g0 == 0) fetcher.step(), fetcher.step();
+        const bf16* one = p.v_cache + (keys.rows[i] - p.k_cache) + h * D;
+        const bf16* two = i + 1 < keys.n ? p.v_cache + (keys.rows[i + 1] - p.k_cache) + h * D
+                                         : nullptr;  // an odd span's last key: with zeros
+        __m512bh pairs[D / 16];
+        for (int c = 0; c < D / 32; ++c) {
+          const __m512i a = _mm512_loadu_si512(one + 32 * c);
+          const __m512i b = two ? _mm512_loadu_si512(two + 32 * c) : _mm512_setzero_si512();
+          pairs[2 * c] = (__m512bh)_mm512_unpacklo_epi16(a, b);
+          pairs[2 * c + 1] = (__m512bh)_mm512_unpackhi_epi16(a, b);
+        }
+        for (int64_t g = 0; g < heads; ++g) {
+          uint32_t both;
+          std::memcpy(&both, &probs[g][i], sizeof both);
+          const __m512bh weight = (__m512bh)_mm512_set1_epi32(static_cast<int>(both));
+          for (int c = 0; c < D / 16; ++c)
+            acc[g][c] = _mm512_dpbf16_ps(acc[g][c], pairs[c], weight);
+        }
+      }
+      for (int64_t g = 0; g < heads; ++g)
+        for (int c = 0; c < D / 32; ++c) {
+          float* out = part + (qh0 + g) * PART<D> + 32 * c;
+          _mm512_storeu_ps(out, _mm512_permutex2var_ps(acc[g][2 * c], first, acc[g][2 * c + 1]));
+          _mm512_storeu_ps(out + 16,
+                           _mm512_permutex2var_ps(acc[g][2 * c], second, acc[g][2 * c + 1]));
+        }
+    }
+}
+#endif
+
+template <typename T, int D>
+void span_values(const DecodeProblem<T>& p, const SpanKeys<T>& keys, Fetcher<T>& fetcher,
+                 const float* weights, float* part) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<T, bf16> && D % 32 == 0)
+    return paired_values<D>(p, keys, fetcher, weights, part);
+#endif
+  widened_values<T, D>(p, keys, fetcher, weights, part);
 }
 
 // unit u's keys (none past the last unit, or past its row's context)
