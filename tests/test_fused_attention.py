@@ -316,9 +316,10 @@ def _paged_reference(q, k, v, cache, slots, table, lengths, layer, scale):
 def test_paged_decode_stores_then_matches_float64(lengths, block, heads, kv_heads, threads,
                                                   dtype):
     """Contexts of one token, one whole block, many blocks, several spans of the kernel's
-    work split (256 keys), rows of different lengths, block sizes that are not powers of two:
-    the cache afterwards is the old one with exactly the new K/V written, and each output is
-    the float64 attention over its row's blocks."""
+    work split (DECODE_KEYS, 128 keys), spans of an odd count of keys (bf16 values go in pairs
+    of keys), rows of different lengths, block sizes that are not powers of two: the cache
+    afterwards is the old one with exactly the new K/V written, and each output is the float64
+    attention over its row's blocks."""
     q, k, v, cache, slots, table, lens = _paged(len(lengths), heads, kv_heads, 32, block,
                                                 lengths, dtype, seed=sum(lengths) + heads)
     want_cache, want = _paged_reference(q, k, v, cache, slots, table, lens, 1, 0.3)
