@@ -22,6 +22,7 @@ gated_halves). Runs alternate; the fastest of each is kept.
     .venv/bin/python -m bench.cpu_ops --only-prompt-attention --fused-from REV
     .venv/bin/python -m bench.cpu_ops --only-gated
     .venv/bin/python -m bench.cpu_ops --only-quantized
+    .venv/bin/python -m bench.cpu_ops --only-decode-attention
 
 `--fused-from REV` adds the fused kernel as it was at git revision REV (built here the same way)
 beside today's, for a before/after in one run.
@@ -297,6 +298,8 @@ def main() -> None:
                     help="only the gate/up products with their SiLU·mul, fused and not")
     ap.add_argument("--only-quantized", action="store_true",
                     help="only the quantized weights' one-row products, torch's and the engine's")
+    ap.add_argument("--only-decode-attention", action="store_true",
+                    help="only a decode row's attention per layer, tensor math and fused kernel")
     ap.add_argument("--fused-from", metavar="REV",
                     help="time the fused prompt attention as it was at this git revision too")
     args = ap.parse_args()
@@ -308,6 +311,8 @@ def main() -> None:
         return gated(args)
     if args.only_quantized:
         return quantized(args)
+    if args.only_decode_attention:
+        return decode_attention(args)
     if not args.only_prompt_attention:
         other_ops(args)
         gated(args)
@@ -349,14 +354,22 @@ def other_ops(args: argparse.Namespace) -> None:
     print(f"{'KV store op, us a call':<24} {'custom_op':>17} {'graph_op':>15} {'custom / graph':>18}")
     print(f"{'one decode row':<24} {r['custom_op']:>17.1f} {r['graph_op']:>15.1f} "
           f"{r['custom_op'] / r['graph_op']:>17.2f}x")
-    if fused_attention.available():
-        _table_row("decode graph attention", "tensor math us", "fused us", "tensor / fused")
-        for dtype in (d for d in args.dtypes if getattr(torch, d) in fused_attention.DTYPES):
-            for keys in (256, 1024, 4096):
-                r = decode_graph_attention(keys, getattr(torch, dtype))
-                _table_row(f"{dtype}, {keys} keys", r["tensor-math"], r["fused"],
-                           r["tensor-math"] / r["fused"])
+    decode_attention(args)
     quantized(args)
+
+
+def decode_attention(args: argparse.Namespace) -> None:
+    """A decode row's KV store and attention over 256-4096 keys, per layer: the decode graph's
+    tensor math against the fused kernel."""
+    if not fused_attention.available():
+        print("decode graph attention: the fused kernel is not built here")
+        return
+    _table_row("decode graph attention", "tensor math us", "fused us", "tensor / fused")
+    for dtype in (d for d in args.dtypes if getattr(torch, d) in fused_attention.DTYPES):
+        for keys in (256, 1024, 4096):
+            r = decode_graph_attention(keys, getattr(torch, dtype))
+            _table_row(f"{dtype}, {keys} keys", r["tensor-math"], r["fused"],
+                       r["tensor-math"] / r["fused"])
 
 
 def prompt_attention(args: argparse.Namespace) -> None:
