@@ -540,6 +540,17 @@ struct DecodeScores<bf16, D> {
 // query heads per pass over a KV head's keys or values (their sums held in registers)
 constexpr int64_t DECODE_HEADS = 4;
 
+// visit(h, qh0, heads, first) for each KV head h and each set of its query heads (at most
+// DECODE_HEADS, from qh0; `first`: the KV head's first set): a span's passes over its keys or
+// values, one per set, whose first reads each key's row from memory
+template <typename T, typename Visit>
+inline void for_head_sets(const DecodeProblem<T>& p, Visit&& visit) {
+  const int64_t group = p.hq / p.hkv;
+  for (int64_t h = 0; h < p.hkv; ++h)
+    for (int64_t g0 = 0; g0 < group; g0 += DECODE_HEADS)
+      visit(h, h * group + g0, std::min(DECODE_HEADS, group - g0), g0 == 0);
+}
+
 // A work unit's keys: each one's row of the K cache (every KV head; its V row lies at the same
 // offset in the V cache).
 template <typename T>
@@ -580,29 +591,27 @@ template <typename T, int D>
 void span_scores(const DecodeProblem<T>& p, int64_t row, const SpanKeys<T>& keys,
                  Fetcher<T>& fetcher, float* scores) {
   using Scores = DecodeScores<T, D>;
-  const int64_t group = p.hq / p.hkv, n = keys.n;
+  const int64_t n = keys.n;
   const float scale = p.scale * LOG2E;
   vf sums[DECODE_HEADS][W];
-  for (int64_t h = 0; h < p.hkv; ++h)
-    for (int64_t g0 = 0; g0 < group; g0 += DECODE_HEADS) {
-      const int64_t heads = std::min(DECODE_HEADS, group - g0), qh0 = h * group + g0;
-      Scores queries[DECODE_HEADS];
-      for (int64_t g = 0; g < heads; ++g)
-        queries[g].set(p.q + row * p.q_stride + (qh0 + g) * D, scale);
-      for (int64_t i0 = 0; i0 < n; i0 += W) {
-        for (int i = 0; i < W; ++i) {
-          if (i0 + i >= n) {  // past the span: zeros, masked by the softmax
-            for (int64_t g = 0; g < heads; ++g) sums[g][i] = splat(0.f);
-            continue;
-          }
-          if (g0 == 0) fetcher.step();
-          const typename Scores::Key key(keys.rows[i0 + i] + h * D);
-          for (int64_t g = 0; g < heads; ++g) sums[g][i] = queries[g].partial(key);
+  for_head_sets(p, [&](int64_t h, int64_t qh0, int64_t heads, bool first) {
+    Scores queries[DECODE_HEADS];
+    for (int64_t g = 0; g < heads; ++g)
+      queries[g].set(p.q + row * p.q_stride + (qh0 + g) * D, scale);
+    for (int64_t i0 = 0; i0 < n; i0 += W) {
+      for (int i = 0; i < W; ++i) {
+        if (i0 + i >= n) {  // past the span: zeros, masked by the softmax
+          for (int64_t g = 0; g < heads; ++g) sums[g][i] = splat(0.f);
+          continue;
         }
-        for (int64_t g = 0; g < heads; ++g)
-          store(scores + (qh0 + g) * DECODE_KEYS + i0, lane_sums(sums[g]) * Scores::after(scale));
+        if (first) fetcher.step();
+        const typename Scores::Key key(keys.rows[i0 + i] + h * D);
+        for (int64_t g = 0; g < heads; ++g) sums[g][i] = queries[g].partial(key);
       }
+      for (int64_t g = 0; g < heads; ++g)
+        store(scores + (qh0 + g) * DECODE_KEYS + i0, lane_sums(sums[g]) * Scores::after(scale));
     }
+  });
 }
 
 // each query head's sum of its probabilities times V [hq][D] into `part` (stride PART): a KV
@@ -610,26 +619,23 @@ void span_scores(const DecodeProblem<T>& p, int64_t row, const SpanKeys<T>& keys
 template <typename T, int D>
 void widened_values(const DecodeProblem<T>& p, const SpanKeys<T>& keys, Fetcher<T>& fetcher,
                     const float* weights, float* part) {
-  const int64_t group = p.hq / p.hkv;
-  for (int64_t h = 0; h < p.hkv; ++h)
-    for (int64_t g0 = 0; g0 < group; g0 += DECODE_HEADS) {
-      const int64_t heads = std::min(DECODE_HEADS, group - g0), qh0 = h * group + g0;
-      vf acc[DECODE_HEADS][D / W];
-      for (int64_t g = 0; g < heads; ++g)
-        for (int c = 0; c < D / W; ++c) acc[g][c] = splat(0.f);
-      for (int64_t i = 0; i < keys.n; ++i) {
-        if (g0 == 0) fetcher.step();
-        const T* value = p.v_cache + (keys.rows[i] - p.k_cache) + h * D;
-        vf v[D / W];
-        for (int c = 0; c < D / W; ++c) v[c] = load_widened(value + c * W);
-        for (int64_t g = 0; g < heads; ++g) {
-          const vf weight = splat(weights[(qh0 + g) * DECODE_KEYS + i]);
-          for (int c = 0; c < D / W; ++c) acc[g][c] += weight * v[c];
-        }
+  for_head_sets(p, [&](int64_t h, int64_t qh0, int64_t heads, bool first) {
+    vf acc[DECODE_HEADS][D / W];
+    for (int64_t g = 0; g < heads; ++g)
+      for (int c = 0; c < D / W; ++c) acc[g][c] = splat(0.f);
+    for (int64_t i = 0; i < keys.n; ++i) {
+      if (first) fetcher.step();
+      const T* value = p.v_cache + (keys.rows[i] - p.k_cache) + h * D;
+      vf v[D / W];
+      for (int c = 0; c < D / W; ++c) v[c] = load_widened(value + c * W);
+      for (int64_t g = 0; g < heads; ++g) {
+        const vf weight = splat(weights[(qh0 + g) * DECODE_KEYS + i]);
+        for (int c = 0; c < D / W; ++c) acc[g][c] += weight * v[c];
       }
-      for (int64_t g = 0; g < heads; ++g)
-        for (int c = 0; c < D / W; ++c) store(part + (qh0 + g) * PART<D> + c * W, acc[g][c]);
     }
+    for (int64_t g = 0; g < heads; ++g)
+      for (int c = 0; c < D / W; ++c) store(part + (qh0 + g) * PART<D> + c * W, acc[g][c]);
+  });
 }
 
 #if defined(__AVX512BF16__)
@@ -642,50 +648,48 @@ template <int D>
   requires(D % 32 == 0)
 void paired_values(const DecodeProblem<bf16>& p, const SpanKeys<bf16>& keys,
                    Fetcher<bf16>& fetcher, const float* weights, float* part) {
-  const int64_t group = p.hq / p.hkv;
-  const __m512i first = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
-  const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(8));
-  for (int64_t h = 0; h < p.hkv; ++h)
-    for (int64_t g0 = 0; g0 < group; g0 += DECODE_HEADS) {
-      const int64_t heads = std::min(DECODE_HEADS, group - g0), qh0 = h * group + g0;
-      // the heads' probabilities as bf16; past the span's end they are 0 (the softmax's)
-      alignas(64) uint16_t probs[DECODE_HEADS][DECODE_KEYS];
-      for (int64_t g = 0; g < heads; ++g)
-        for (int64_t j = 0; j < keys.n; j += W)
-          _mm256_store_si256(reinterpret_cast<__m256i*>(&probs[g][j]),
-                             (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(
-                                 weights + (qh0 + g) * DECODE_KEYS + j)));
-      __m512 acc[DECODE_HEADS][D / 16];
-      for (int64_t g = 0; g < heads; ++g)
-        for (int c = 0; c < D / 16; ++c) acc[g][c] = _mm512_setzero_ps();
-      for (int64_t i = 0; i < keys.n; i += 2) {
-        if (g0 == 0) fetcher.step(), fetcher.step();
-        const bf16* one = p.v_cache + (keys.rows[i] - p.k_cache) + h * D;
-        const bf16* two = i + 1 < keys.n ? p.v_cache + (keys.rows[i + 1] - p.k_cache) + h * D
-                                         : nullptr;  // an odd span's last key: with zeros
-        __m512bh pairs[D / 16];
-        for (int c = 0; c < D / 32; ++c) {
-          const __m512i a = _mm512_loadu_si512(one + 32 * c);
-          const __m512i b = two ? _mm512_loadu_si512(two + 32 * c) : _mm512_setzero_si512();
-          pairs[2 * c] = (__m512bh)_mm512_unpacklo_epi16(a, b);
-          pairs[2 * c + 1] = (__m512bh)_mm512_unpackhi_epi16(a, b);
-        }
-        for (int64_t g = 0; g < heads; ++g) {
-          uint32_t both;
-          std::memcpy(&both, &probs[g][i], sizeof both);
-          const __m512bh weight = (__m512bh)_mm512_set1_epi32(static_cast<int>(both));
-          for (int c = 0; c < D / 16; ++c)
-            acc[g][c] = _mm512_dpbf16_ps(acc[g][c], pairs[c], weight);
-        }
+  // each 32 of D from its two accumulators: the first 16 (front), the next 16 (back)
+  const __m512i front = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+  const __m512i back = _mm512_add_epi32(front, _mm512_set1_epi32(8));
+  for_head_sets(p, [&](int64_t h, int64_t qh0, int64_t heads, bool first) {
+    // the heads' probabilities as bf16; past the span's end they are 0 (the softmax's)
+    alignas(64) uint16_t probs[DECODE_HEADS][DECODE_KEYS];
+    for (int64_t g = 0; g < heads; ++g)
+      for (int64_t j = 0; j < keys.n; j += W)
+        _mm256_store_si256(reinterpret_cast<__m256i*>(&probs[g][j]),
+                           (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(
+                               weights + (qh0 + g) * DECODE_KEYS + j)));
+    __m512 acc[DECODE_HEADS][D / 16];
+    for (int64_t g = 0; g < heads; ++g)
+      for (int c = 0; c < D / 16; ++c) acc[g][c] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < keys.n; i += 2) {
+      if (first) fetcher.step(), fetcher.step();
+      const bf16* one = p.v_cache + (keys.rows[i] - p.k_cache) + h * D;
+      const bf16* two = i + 1 < keys.n ? p.v_cache + (keys.rows[i + 1] - p.k_cache) + h * D
+                                       : nullptr;  // an odd span's last key: with zeros
+      __m512bh pairs[D / 16];
+      for (int c = 0; c < D / 32; ++c) {
+        const __m512i a = _mm512_loadu_si512(one + 32 * c);
+        const __m512i b = two ? _mm512_loadu_si512(two + 32 * c) : _mm512_setzero_si512();
+        pairs[2 * c] = (__m512bh)_mm512_unpacklo_epi16(a, b);
+        pairs[2 * c + 1] = (__m512bh)_mm512_unpackhi_epi16(a, b);
       }
-      for (int64_t g = 0; g < heads; ++g)
-        for (int c = 0; c < D / 32; ++c) {
-          float* out = part + (qh0 + g) * PART<D> + 32 * c;
-          _mm512_storeu_ps(out, _mm512_permutex2var_ps(acc[g][2 * c], first, acc[g][2 * c + 1]));
-          _mm512_storeu_ps(out + 16,
-                           _mm512_permutex2var_ps(acc[g][2 * c], second, acc[g][2 * c + 1]));
-        }
+      for (int64_t g = 0; g < heads; ++g) {
+        uint32_t both;
+        std::memcpy(&both, &probs[g][i], sizeof both);
+        const __m512bh weight = (__m512bh)_mm512_set1_epi32(static_cast<int>(both));
+        for (int c = 0; c < D / 16; ++c)
+          acc[g][c] = _mm512_dpbf16_ps(acc[g][c], pairs[c], weight);
+      }
     }
+    for (int64_t g = 0; g < heads; ++g)
+      for (int c = 0; c < D / 32; ++c) {
+        float* out = part + (qh0 + g) * PART<D> + 32 * c;
+        _mm512_storeu_ps(out, _mm512_permutex2var_ps(acc[g][2 * c], front, acc[g][2 * c + 1]));
+        _mm512_storeu_ps(out + 16,
+                         _mm512_permutex2var_ps(acc[g][2 * c], back, acc[g][2 * c + 1]));
+      }
+  });
 }
 #endif
 
