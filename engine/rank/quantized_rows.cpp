@@ -19,11 +19,15 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <tuple>
 #include <vector>
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/silu.h>
 #include <omp.h>
 
 #include "cpu_vectors.h"
@@ -297,6 +301,252 @@ at::Tensor q4_rows(const at::Tensor& x_in, const at::Tensor& nibbles, const at::
 #endif
 }
 
+// ---- A decode layer's two halves (engine/rank/quantized_layers.py) ----
+
+// A projection's weight as the halves take it: int8 codes [n][k] with scales [n], or int4 nibbles
+// [n][k/2] with steps [2][n][k/32][1]. Its inputs k; checks it multiplies rows of `k_expected`.
+int64_t weight_outputs(const at::Tensor& codes, const at::Tensor& scales, at::ScalarType dtype,
+                       int64_t k_expected, const char* name) {
+  const bool int4 = codes.scalar_type() == at::kByte;
+  TORCH_CHECK_VALUE(codes.dim() == 2 && codes.is_contiguous() && scales.is_contiguous() &&
+                        (int4 || codes.scalar_type() == at::kChar) && scales.scalar_type() == dtype,
+                    "quantized decode layer: ", name, " must be int8 codes [n, k] with scales [n] "
+                    "or int4 nibbles [n, k/2] with steps [2, n, k/32, 1], of the activations' "
+                    "dtype ", dtype, "; got ", codes.scalar_type(), " ", codes.sizes(), " and ",
+                    scales.scalar_type(), " ", scales.sizes());
+  const int64_t n = codes.size(0), k = int4 ? 2 * codes.size(1) : codes.size(1);
+  TORCH_CHECK_VALUE(k == k_expected && scales.numel() == (int4 ? 2 * n * (k / 32) : n) &&
+                        k % (int4 ? 32 : W) == 0,
+                    "quantized decode layer: ", name, " takes ", k, " inputs, the layer gives it ",
+                    k_expected);
+#if !defined(__AVX2__)
+  TORCH_CHECK_NOT_IMPLEMENTED(!int4, "quantized decode layer: int4 products need AVX2");
+#endif
+  return n;
+}
+
+// y [rows][n] = x [rows][k] times the weight, MOST_ROWS rows at a time
+template <typename T>
+void project(const T* x, int64_t rows, int64_t k, const at::Tensor& codes,
+             const at::Tensor& scales, T* y, int threads) {
+  const int64_t n = codes.size(0);
+  const T* s = static_cast<const T*>(scales.data_ptr());
+  for (int64_t r = 0; r < rows; r += MOST_ROWS) {
+    const int64_t take = std::min(MOST_ROWS, rows - r);
+#if defined(__AVX2__)
+    if (codes.scalar_type() == at::kByte) {
+      q4_any(x + r * k, k, take, codes.const_data_ptr<uint8_t>(), s, s + n * (k / GROUP),
+             y + r * n, n, k, threads);
+      continue;
+    }
+#endif
+    rows_any(x + r * k, k, take, codes.const_data_ptr<int8_t>(), s, y + r * n, n, k, threads);
+  }
+}
+
+// sum = x + residual (the next residual) and normed = weight * RMSNorm(sum), rounded where
+// engine.rank.ops.rmsnorm rounds: the sum, the normalised row, the product
+template <typename T>
+void add_norm(const T* x, const T* residual, const T* weight, float eps, int64_t rows, int64_t d,
+              T* sum, T* normed) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t row = r * d;
+    float squares = 0.f;
+    for (int64_t i = 0; i < d; ++i) {
+      narrow(widen(x[row + i]) + widen(residual[row + i]), sum + row + i);
+      const float s = widen(sum[row + i]);
+      squares += s * s;
+    }
+    const float scale = 1.f / std::sqrt(squares / static_cast<float>(d) + eps);
+    for (int64_t i = 0; i < d; ++i) {
+      T h;
+      narrow(widen(sum[row + i]) * scale, &h);
+      narrow(widen(weight[i]) * widen(h), normed + row + i);
+    }
+  }
+}
+
+// y [rows][n] += bias [n], rounded to T
+template <typename T>
+void add_bias(T* y, const T* bias, int64_t rows, int64_t n) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t i = 0; i < n; ++i) narrow(widen(y[r * n + i]) + widen(bias[i]), y + r * n + i);
+}
+
+// The first `heads` heads of each row of qkv [rows][width] (q's, then k's) rotated in place by
+// the row's position (rotate-half layout; cos/sin [positions][d/2] float32), in float32
+template <typename T>
+void rotate(T* qkv, int64_t rows, int64_t width, int64_t heads, int64_t head_dim,
+            const float* cos, const float* sin, const int32_t* positions) {
+  const int64_t half = head_dim / 2;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float *c = cos + positions[r] * half, *s = sin + positions[r] * half;
+    for (int64_t h = 0; h < heads; ++h) {
+      T* v = qkv + r * width + h * head_dim;
+      for (int64_t i = 0; i < half; ++i) {
+        const float x1 = widen(v[i]), x2 = widen(v[i + half]);
+        narrow(x1 * c[i] - x2 * s[i], v + i);
+        narrow(x2 * c[i] + x1 * s[i], v + i + half);
+      }
+    }
+  }
+}
+
+// x [rows][d] of the activations' dtype, contiguous; the residual the same
+void check_rows(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& norm) {
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.is_contiguous() && residual.sizes() == x.sizes() &&
+                        residual.is_contiguous() && residual.scalar_type() == x.scalar_type() &&
+                        norm.dim() == 1 && norm.size(0) == x.size(1) &&
+                        norm.scalar_type() == x.scalar_type() &&
+                        (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+                    "quantized decode layer: x and residual [rows, d] contiguous, and the norm's "
+                    "weight [d], of one dtype (float32 or bfloat16); got ", x.sizes(), " ",
+                    x.scalar_type(), ", ", residual.sizes(), " ", residual.scalar_type(), ", ",
+                    norm.sizes(), " ", norm.scalar_type());
+}
+
+// The attention's kernel (engine/rank/fused_attention.cpp's), through torch's dispatcher
+at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                  const at::Tensor& cache, int64_t layer, const at::Tensor& slots,
+                  const at::Tensor& table, const at::Tensor& lens, double scale) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("prefill::fused_paged_decode", "")
+          .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                            const at::Tensor&, c10::SymInt, const at::Tensor&, const at::Tensor&,
+                            const at::Tensor&, double)>();
+  return op.call(q, k, v, cache, c10::SymInt(layer), slots, table, lens, scale);
+}
+
+template <typename T>
+const T* elems(const at::Tensor& t) { return static_cast<const T*>(t.data_ptr()); }
+template <typename T>
+T* elems_mut(at::Tensor& t) { return static_cast<T*>(t.data_ptr()); }
+
+template <typename T>
+std::tuple<at::Tensor, at::Tensor> attention_half_of(
+    const at::Tensor& x, const at::Tensor& residual, const at::Tensor& norm, float eps,
+    const at::Tensor& qkv_codes, const at::Tensor& qkv_scales,
+    const c10::optional<at::Tensor>& qkv_bias, const at::Tensor& o_codes,
+    const at::Tensor& o_scales, const at::Tensor& cos, const at::Tensor& sin,
+    const at::Tensor& positions, const at::Tensor& cache, int64_t layer, const at::Tensor& slots,
+    const at::Tensor& table, const at::Tensor& lens, int64_t q_heads, double scale) {
+  const int64_t rows = x.size(0), d = x.size(1), hkv = cache.size(4), head_dim = cache.size(5);
+  const int64_t width = qkv_codes.size(0);
+  const int threads = at::get_num_threads();
+  at::Tensor sum = at::empty_like(x), normed = at::empty_like(x);
+  add_norm(elems<T>(x), elems<T>(residual), elems<T>(norm), eps, rows, d, elems_mut<T>(sum),
+           elems_mut<T>(normed));
+  at::Tensor qkv = at::empty({rows, width}, x.options());
+  project(elems<T>(normed), rows, d, qkv_codes, qkv_scales, elems_mut<T>(qkv), threads);
+  if (qkv_bias.has_value()) add_bias(elems_mut<T>(qkv), elems<T>(*qkv_bias), rows, width);
+  rotate(elems_mut<T>(qkv), rows, width, q_heads + hkv, head_dim, cos.const_data_ptr<float>(),
+         sin.const_data_ptr<float>(), positions.const_data_ptr<int32_t>());
+  const at::Tensor heads = qkv.view({rows, q_heads + 2 * hkv, head_dim});
+  const at::Tensor out = attend(heads.narrow(1, 0, q_heads), heads.narrow(1, q_heads, hkv),
+                                heads.narrow(1, q_heads + hkv, hkv), cache, layer, slots, table,
+                                lens, scale);
+  at::Tensor y = at::empty({rows, o_codes.size(0)}, x.options());
+  project(elems<T>(out), rows, q_heads * head_dim, o_codes, o_scales, elems_mut<T>(y), threads);
+  return {y, sum};
+}
+
+// prefill::quantized_attention_half: RMSNorm(x + residual), the QKV product (+ bias), RoPE, the
+// new K/V stored and the rows' attention over the cache, the O product (not summed over ranks).
+// Returns (the O product, x + residual).
+std::tuple<at::Tensor, at::Tensor> attention_half(
+    const at::Tensor& x, const at::Tensor& residual, const at::Tensor& norm, double eps,
+    const at::Tensor& qkv_codes, const at::Tensor& qkv_scales,
+    const c10::optional<at::Tensor>& qkv_bias, const at::Tensor& o_codes,
+    const at::Tensor& o_scales, const at::Tensor& cos, const at::Tensor& sin,
+    const at::Tensor& positions, const at::Tensor& cache, int64_t layer, const at::Tensor& slots,
+    const at::Tensor& table, const at::Tensor& lens, int64_t q_heads, double scale) {
+  check_rows(x, residual, norm);
+  const auto dtype = x.scalar_type();
+  TORCH_CHECK_VALUE(cache.dim() == 6 && cache.scalar_type() == dtype && q_heads > 0 &&
+                        q_heads % cache.size(4) == 0 && cache.size(5) % 2 == 0,
+                    "quantized decode layer: a KV cache [2, layers, blocks, block, kv heads, d] "
+                    "of the activations' dtype and whole query groups per KV head; got ",
+                    cache.sizes(), " ", cache.scalar_type(), " for ", q_heads, " query heads");
+  TORCH_CHECK_INDEX(layer >= 0 && layer < cache.size(1), "quantized decode layer: layer ", layer,
+                    " of a cache of ", cache.size(1), " layers");
+  const int64_t hkv = cache.size(4), head_dim = cache.size(5), rows = x.size(0);
+  const int64_t width = weight_outputs(qkv_codes, qkv_scales, dtype, x.size(1), "qkv_proj");
+  TORCH_CHECK_VALUE(width == (q_heads + 2 * hkv) * head_dim,
+                    "quantized decode layer: qkv_proj gives ", width, " outputs, not (", q_heads,
+                    " + 2 x ", hkv, ") heads of ", head_dim);
+  TORCH_CHECK_VALUE(!qkv_bias.has_value() || (qkv_bias->is_contiguous() &&
+                                              qkv_bias->numel() == width &&
+                                              qkv_bias->scalar_type() == dtype),
+                    "quantized decode layer: the qkv bias must be [", width, "] of ", dtype);
+  weight_outputs(o_codes, o_scales, dtype, q_heads * head_dim, "o_proj");
+  TORCH_CHECK_VALUE(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
+                        cos.is_contiguous() && sin.is_contiguous() && cos.dim() == 2 &&
+                        cos.sizes() == sin.sizes() && cos.size(1) == head_dim / 2 &&
+                        positions.scalar_type() == at::kInt && positions.is_contiguous() &&
+                        positions.numel() == rows,
+                    "quantized decode layer: cos and sin [positions, d/2] float32 and int32 "
+                    "positions [rows]");
+  const int32_t* position = positions.const_data_ptr<int32_t>();
+  for (int64_t r = 0; r < rows; ++r)
+    TORCH_CHECK_INDEX(position[r] >= 0 && position[r] < cos.size(0), "quantized decode layer: "
+                      "position ", position[r], " outside the rotary tables' ", cos.size(0));
+  if (dtype == at::kBFloat16)
+    return attention_half_of<bf16>(x, residual, norm, eps, qkv_codes, qkv_scales, qkv_bias,
+                                   o_codes, o_scales, cos, sin, positions, cache, layer, slots,
+                                   table, lens, q_heads, scale);
+  return attention_half_of<float>(x, residual, norm, eps, qkv_codes, qkv_scales, qkv_bias,
+                                  o_codes, o_scales, cos, sin, positions, cache, layer, slots,
+                                  table, lens, q_heads, scale);
+}
+
+template <typename T>
+std::tuple<at::Tensor, at::Tensor> mlp_half_of(
+    const at::Tensor& x, const at::Tensor& residual, const at::Tensor& norm, float eps,
+    const at::Tensor& gate_up_codes, const at::Tensor& gate_up_scales,
+    const c10::optional<at::Tensor>& gate_up_bias, const at::Tensor& down_codes,
+    const at::Tensor& down_scales) {
+  const int64_t rows = x.size(0), d = x.size(1), width = gate_up_codes.size(0);
+  const int threads = at::get_num_threads();
+  at::Tensor sum = at::empty_like(x), normed = at::empty_like(x);
+  add_norm(elems<T>(x), elems<T>(residual), elems<T>(norm), eps, rows, d, elems_mut<T>(sum),
+           elems_mut<T>(normed));
+  at::Tensor gate_up = at::empty({rows, width}, x.options());
+  project(elems<T>(normed), rows, d, gate_up_codes, gate_up_scales, elems_mut<T>(gate_up),
+          threads);
+  if (gate_up_bias.has_value()) add_bias(elems_mut<T>(gate_up), elems<T>(*gate_up_bias), rows, width);
+  // SiLU(gate) * up through ATen, as engine.rank.ops.silu_mul computes it (its vector exp)
+  const int64_t ffn = width / 2;
+  at::Tensor act = at::silu(gate_up.narrow(1, 0, ffn)).mul_(gate_up.narrow(1, ffn, ffn)).contiguous();
+  at::Tensor y = at::empty({rows, down_codes.size(0)}, x.options());
+  project(elems<T>(act), rows, ffn, down_codes, down_scales, elems_mut<T>(y), threads);
+  return {y, sum};
+}
+
+// prefill::quantized_mlp_half: RMSNorm(x + residual), the gate/up product (+ bias), SiLU(gate) ·
+// up, the down product (not summed over ranks). Returns (the down product, x + residual).
+std::tuple<at::Tensor, at::Tensor> mlp_half(
+    const at::Tensor& x, const at::Tensor& residual, const at::Tensor& norm, double eps,
+    const at::Tensor& gate_up_codes, const at::Tensor& gate_up_scales,
+    const c10::optional<at::Tensor>& gate_up_bias, const at::Tensor& down_codes,
+    const at::Tensor& down_scales) {
+  check_rows(x, residual, norm);
+  const auto dtype = x.scalar_type();
+  const int64_t width = weight_outputs(gate_up_codes, gate_up_scales, dtype, x.size(1), "gate_up_proj");
+  TORCH_CHECK_VALUE(width % 2 == 0 && (!gate_up_bias.has_value() ||
+                                       (gate_up_bias->is_contiguous() &&
+                                        gate_up_bias->numel() == width &&
+                                        gate_up_bias->scalar_type() == dtype)),
+                    "quantized decode layer: gate_up_proj gives ", width, " outputs (gate, then "
+                    "up) and its bias, if any, must be [", width, "] of ", dtype);
+  weight_outputs(down_codes, down_scales, dtype, width / 2, "down_proj");
+  if (dtype == at::kBFloat16)
+    return mlp_half_of<bf16>(x, residual, norm, eps, gate_up_codes, gate_up_scales, gate_up_bias,
+                             down_codes, down_scales);
+  return mlp_half_of<float>(x, residual, norm, eps, gate_up_codes, gate_up_scales, gate_up_bias,
+                            down_codes, down_scales);
+}
+
 }  // namespace
 
 // 1 where this build has the int4 product (an AVX2 CPU or better), else 0.
@@ -314,5 +564,7 @@ extern "C" int register_ops() {
   return register_cpu_kernels([](torch::Library& library) {
     library.impl("int8_rows", TORCH_FN(int8_rows));
     library.impl("q4_rows", TORCH_FN(q4_rows));
+    library.impl("quantized_attention_half", TORCH_FN(attention_half));
+    library.impl("quantized_mlp_half", TORCH_FN(mlp_half));
   });
 }

@@ -31,7 +31,9 @@ from engine.rank.kv_cache import KVCache
 from engine.rank.model import CausalLM
 from engine.rank.overlap import with_halves
 from engine.rank.prompt_logprobs import score_batch
+from engine.rank.padded_decode import pad_decode_step
 from engine.rank.quantized import quantize_model, quantized_weights
+from engine.rank.quantized_layers import QuantizedDecode, unfit_reason
 from engine.rank.sampler import Sampler, sample_into
 from engine.rank.step_context import DECODE, StepContext, step_mode
 from engine.rank.step_metadata import build_step_metadata
@@ -45,6 +47,7 @@ from parallel.context import make_groups
 # and 0.82x as fast as eager at 1k and 8k tokens of Llama-3-8B's layers)
 GRAPH_TIMING_TOKENS = 256
 GPU_GRAPH_TIMING_TOKENS = 2048
+QUANTIZED_DECODE = "quantized-decode"  # a StepContext's `graph`: QuantizedDecode runs its layers
 
 
 class Worker:
@@ -82,6 +85,8 @@ class Worker:
                                 if plan.weights is not None else 0)
         self.load_s = time.perf_counter() - started
         self.kernel_choice_s = self._measure_kernels() if plan.measure_kernels else 0.0
+        # weights=...: decode steps' layers as two C++ calls each (engine.rank.quantized_layers)
+        self.quantized_decode, self._quantized_decode_note = self._quantized_decode()
         self.decode_model, self.decode_bytes = self._decode_view()
         self.prompt_copy_bytes = self._make_prompt_copies()
         self.huge_page_bytes = 0 if plan.on_cuda else back_with_huge_pages(self._decode_tensors())
@@ -119,6 +124,18 @@ class Worker:
                     (heads.num_q_heads, heads.num_kv_heads, self.plan.model.head_dim),
                     heads.kv_head_of_q_head(), self.plan.block_size, self.plan.max_model_len)
         return time.perf_counter() - started
+
+    def _quantized_decode(self) -> tuple[QuantizedDecode | None, str]:
+        """The runner of quantized decode layers as halves, where this rank can run them, and
+        what rank_info says of it."""
+        plan = self.plan
+        if plan.weights is None or plan.on_cuda or plan.cp > 1:
+            return None, ""
+        reason = unfit_reason(self.model, self.kernels.quantized_rows_shapes,
+                              self.shard.heads.kv_head_of_q_head())
+        if reason is not None:
+            return None, f"quantized-decode-layers: off ({reason})"
+        return QuantizedDecode(self.model), "quantized-decode-layers: two C++ calls a layer"
 
     def _graph_key(self) -> str | None:
         """What this rank's compiled graphs depend on besides their code and tensor inputs,
@@ -215,6 +232,8 @@ class Worker:
         is the launches an eager decode step makes."""
         if not self.plan.time_graph_steps:
             return ()
+        if self.quantized_decode is not None:  # decode steps never run the graphs
+            return ("prompt",)
         return ("prompt",) if self.plan.on_cuda else ("prompt", "decode")
 
     def _choose_graph_steps(self, kinds: tuple[str, ...]) -> None:
@@ -248,7 +267,9 @@ class Worker:
         ctx = self.prepare(batch)
         model = self.decode_model if ctx.decode_weights else self.model
         score = None
-        if ctx.graph.startswith("decode"):
+        if ctx.graph == QUANTIZED_DECODE:
+            logits = self._gathered(self.quantized_decode.logits(ctx), batch)
+        elif ctx.graph.startswith("decode"):
             logits = self._gathered(self.compiled.decode_logits(ctx), batch)
         else:
             # the layers graph runs under no_grad (CompiledModel.forward says why)
@@ -283,6 +304,10 @@ class Worker:
         if self.context is not None:
             ctx = self.context.prepare(batch, self.cache)
             ctx.decode_weights = decode_weights
+            return ctx
+        if mode == DECODE and self.quantized_decode is not None and self._tracer is None:
+            ctx = pad_decode_step(batch, self.cache, self.kv_head_of_q_device, batch.num_seqs)
+            ctx.graph = QUANTIZED_DECODE
             return ctx
         compiled = self.compiled if self.compiled is not None and self.compiled.active else None
         rows = compiled.decode_bucket(batch.num_seqs) if compiled and mode == DECODE else None
@@ -331,7 +356,9 @@ class Worker:
                         self.plan.kv_bytes_per_token(heads.num_kv_heads), self.cache.num_blocks,
                         self.cache.nbytes, os.getpid(),
                         self.compiled is not None and self.compiled.usable, self.warmup_s,
-                        self.load_s, self.digest.seconds, self.kernels.describe(),
+                        self.load_s, self.digest.seconds,
+                        self.kernels.describe() + ([self._quantized_decode_note]
+                                                   if self._quantized_decode_note else []),
                         self.kernel_choice_s, self.huge_page_bytes)
 
     def weight_digest(self) -> Slices:
