@@ -3,9 +3,9 @@ channel against a float64 formula (x times codes times scales); int4 in GGUF's Q
 float64 products with the blocks' own values (d q + m), within the int16 rounding of x the
 kernel states; builds for an AVX2 CPU without VNNI and for one without AVX2; their refusals; their
 timing against torch's kernels (engine.rank.kernel_choice); and engines (weights="int8", "int4")
-where they win, whose decode steps run them for every projection (as a layer's two halves,
-engine.rank.quantized_layers) and the int8 LM head, with compile on or off, and keep the tokens
-of torch's kernels."""
+where they win, whose decode steps run them for every projection (inside one call for every
+layer, engine.rank.quantized_layers) and the int8 LM head, with compile on or off, and keep the
+tokens of torch's kernels."""
 from __future__ import annotations
 
 import pytest
@@ -270,7 +270,7 @@ def test_a_machine_without_it_keeps_torchs_kernel(monkeypatch, tmp_path, caplog)
 @pytest.mark.parametrize("weights", ["int8", "int4"])
 def test_an_engine_where_they_win_runs_them_and_keeps_the_tokens(tiny_model_dir, monkeypatch,
                                                                  tmp_path, compile, weights):
-    """The kernels made to win every shape: each decode step runs every layer as its two halves
+    """The kernels made to win every shape: each decode step runs its layers in one call
     (engine.rank.quantized_layers: the products with int8 or int4 codes inside) and the int8
     LM head; the prompt's last o_proj and MLP and its LM head, on its one sampling row, run the
     row products; and the greedy tokens are torch's kernels'."""
@@ -284,8 +284,7 @@ def test_an_engine_where_they_win_runs_them_and_keeps_the_tokens(tiny_model_dir,
         {"torch": 3e-3, "fused": 1e-3} if set(kernels) == {"torch", "fused"}
         else timed(kernels, weight, rows, prepare)))
     names = {"prefill::int8_rows": "int8", "prefill::q4_rows": "int4",
-             "prefill::quantized_attention_half": "attention",
-             "prefill::quantized_mlp_half": "mlp"}
+             "prefill::quantized_decode_layers": "layers"}
     path = tiny_model_dir("llama")
     config = json.loads((path / "config.json").read_text())
     prompt = [(7 * i) % 200 + 3 for i in range(20)]
@@ -296,9 +295,10 @@ def test_an_engine_where_they_win_runs_them_and_keeps_the_tokens(tiny_model_dir,
                  enable_prefix_caching=False) as llm:
             outputs, called = op_calls(llm, lambda: llm.generate([prompt], params), set(names))
             tokens[choice] = list(outputs[0].token_ids)
-            # (kind, outputs): a row product's codes are its second input, a half's its fifth
-            calls = [(names[name], shapes[4 if "half" in name else 1][0])
-                     for name, shapes in called]
+            # (kind, outputs) of a row product (its codes are its second input); ("layers",
+            # layers) of the layers' call (its KV cache, the ninth input, has every layer's)
+            calls = [("layers", shapes[8][1]) if name.endswith("layers")
+                     else (names[name], shapes[1][0]) for name, shapes in called]
             if choice == "fixed":
                 assert calls == []
             else:
@@ -312,10 +312,9 @@ def test_an_engine_where_they_win_runs_them_and_keeps_the_tokens(tiny_model_dir,
     layer = [(weights, n) for n in ((heads + 2 * kv_heads) * head_dim, hidden,
                                     2 * config["intermediate_size"], hidden)]
     head = [("int8", config["vocab_size"])]
-    halves = [("attention", layer[0][1]), ("mlp", layer[2][1])]
-    step = halves * config["num_hidden_layers"] + head
+    step = [("layers", config["num_hidden_layers"])] + head
     # the prompt's last o_proj and MLP and the LM head (its one sampling row), then the 3
     # decode steps
     assert calls == layer[1:] + head + step * 3
     assert tokens["measure"] == tokens["fixed"]
-    assert "quantized-decode-layers: two C++ calls a layer" in info.kernels
+    assert "quantized-decode-layers: one C++ call a step" in info.kernels

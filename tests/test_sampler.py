@@ -37,6 +37,18 @@ def test_greedy_picks_argmax_of_each_row():
     assert sample(logits, [SamplingSpec(temperature=0.0)] * 3) == [1, 0, 3]
 
 
+def test_greedy_ties_take_the_first_in_every_dtype():
+    """A vocabulary-sized row whose largest value is shared, among infinities of the other
+    sign: the first index, from a float32 row (numpy's argmax), a strided view of one, and a
+    bf16 row (torch's)."""
+    row = torch.full((49152,), float("-inf"))
+    row[[40000, 300, 7000]] = 2.5
+    row[[5, 60]] = 2.0
+    for logits in (row[None], row.expand(3, -1), torch.stack([row, row])[:, ::1],
+                   row[None].bfloat16()):
+        assert sample(logits, [SamplingSpec(temperature=0.0)] * len(logits)) == [300] * len(logits)
+
+
 def test_greedy_ignores_seed_top_k_top_p_and_step():
     logits = torch.tensor([[0.0, 1.0, 7.0, 2.0]])
     specs = [SamplingSpec(temperature=0.0, top_k=2, top_p=0.1, seed=s, step=s) for s in range(5)]

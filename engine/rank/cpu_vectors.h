@@ -85,3 +85,55 @@ inline vf load_int8(const int8_t* p) {
   return __builtin_convertvector(q, vf);
 #endif
 }
+
+// e^x in each lane: 2^n p(r) for r = x - n ln2, n = x / ln2 rounded, p Cephes' expf polynomial
+// (within ~2 float ulps of e^x); x is clamped to +-88, past which e^x is no float (or 0)
+inline vf exp_lanes(vf x) {
+  x = x > 88.f ? splat(88.f) : x;
+  x = x < -88.f ? splat(-88.f) : x;
+  const vf shifter = splat(12582912.f);  // 1.5 * 2^23: adding it rounds to an integer
+  const vf n = (x * 1.44269504088896341f + shifter) - shifter;
+  const vf r = x - n * 0.693359375f - n * -2.12194440e-4f;
+  vf p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  // 2^n as a float's exponent field, in two factors so that n = -127 (x near -88) stays finite
+  const vi half = __builtin_convertvector(n, vi) >> 1;
+  const vi low = (half + 127) << 23, high = (__builtin_convertvector(n, vi) - half + 127) << 23;
+  vf a, b;
+  std::memcpy(&a, &low, sizeof a);
+  std::memcpy(&b, &high, sizeof b);
+  return p * a * b;
+}
+
+// Each lane rounded to T's precision (bf16: to nearest even, a NaN stays a NaN), as a float
+template <typename T>
+inline vf rounded_as(vf v);
+template <>
+inline vf rounded_as<float>(vf v) { return v; }
+template <>
+inline vf rounded_as<bf16>(vf v) {
+  typedef uint32_t vu __attribute__((vector_size(W * 4)));
+  vu bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  const vu rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
+  vf out;
+  std::memcpy(&out, &rounded, sizeof out);
+  return v != v ? v : out;
+}
+
+// W floats stored as T (bf16: rounded to nearest even)
+inline void store_narrowed(float* p, vf v) { store(p, v); }
+inline void store_narrowed(bf16* p, vf v) {
+  typedef uint32_t vu __attribute__((vector_size(W * 4)));
+  typedef uint16_t vh __attribute__((vector_size(W * 2)));
+  const vf r = rounded_as<bf16>(v);
+  vu bits;
+  std::memcpy(&bits, &r, sizeof bits);
+  const vh halves = __builtin_convertvector(bits >> 16, vh);
+  std::memcpy(p, &halves, sizeof halves);
+}

@@ -1,26 +1,25 @@
-"""A decode step's layers with quantized weights (weights="int8" | "int4" | "gguf"), each as two
-C++ calls: `quantized_attention_half` (RMSNorm, QKV product, RoPE, KV store and attention, O
-product) and `quantized_mlp_half` (RMSNorm, gate/up product, SiLU·mul, down product), both in
-quantized_rows.cpp. One rank only: with tp > 1 each half would be followed by its all-reduce,
-which no test here runs yet, so such ranks decode as before.
+"""A decode step's layers with quantized weights (weights="int8" | "int4" | "gguf") as one C++
+call, `quantized_decode_layers` (quantized_rows.cpp): per layer RMSNorm, the QKV product, RoPE,
+the KV store and attention (the fused decode attention's kernel, through torch's dispatcher),
+the O product, RMSNorm, the gate/up product, SiLU·mul and the down product.
 
-A compiled decode graph ran the same kernels but made ~9 kernel and op calls per layer from
-inductor's Python, with ~24 size checks and dynamo's and AOTAutograd's wrappers around it: ~2 ms
-of a ~6.4 ms 4-bit SmolLM2 step on the AVX512-BF16 EPYC (BENCHMARKS.md, session 51). The halves
-run the products' kernels that KernelChoice timed faster than torch's for every projection shape
-(`quantized_rows_shapes`) and the fused decode attention; where either is missing, decode steps
-run as before. Rows go through the products 4 at a time (quantized.KERNEL_ROWS), so a step of any
-number of sequences takes this path.
+A compiled decode graph ran the same products' kernels but made ~9 kernel and op calls per layer
+from inductor's Python, with ~24 size checks and dynamo's and AOTAutograd's wrappers around it;
+as two C++ calls a layer (one per half) a 4-bit SmolLM2 step still spent ~0.7 ms of ~5.6 in the
+calls' own costs (BENCHMARKS.md, session 51). The layers run the products' kernels that
+KernelChoice timed faster than torch's for every projection shape (`quantized_rows_shapes`) and
+the fused decode attention; where either is missing, decode steps run as before. Rows go through
+the products 4 at a time (quantized.KERNEL_ROWS), so a step of any number of sequences takes
+this path. One rank only: with tp > 1 each half of a layer ends in an all-reduce, so such ranks
+decode as before.
 
-Roundings follow the eager layer's (engine.rank.ops): the residual sum, the normalised row and its
-product with the norm's weight, RoPE's float32 result, SiLU(gate) and its product with up are
-each rounded to the activations' dtype. The sums of squares and RoPE's products are summed in
-another order, so a bf16 value can round the other way: tests hold the layer to the eager one's
-result within a bound.
+Roundings follow the eager layer's (engine.rank.ops): the residual sums, the normalised rows and
+their products with the norms' weights, RoPE's float32 result, SiLU(gate) and its product with up
+are each rounded to the activations' dtype. Sums of squares, RoPE's products and SiLU's exp are
+computed otherwise than torch's, so a bf16 value can round the other way: tests hold the layers
+to a float64 reference within a bound.
 """
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -31,19 +30,8 @@ from engine.rank.step_context import StepContext
 
 
 def _pair(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
-    """The two tensors the halves take for a weight: int8 (codes, scales), int4 (nibbles, steps)."""
+    """The two tensors the op takes for a weight: int8 (codes, scales), int4 (nibbles, steps)."""
     return (weight.codes, weight.scales) if weight.kind == "int8" else (weight.nibbles, weight.steps)
-
-
-@dataclass(slots=True, frozen=True)
-class _Layer:
-    """One layer's arguments to the halves, gathered once."""
-
-    index: int
-    attention: tuple  # norm, eps, qkv codes/scales/bias, o codes/scales, cos, sin
-    mlp: tuple  # norm, eps, gate/up codes/scales/bias, down codes/scales
-    q_heads: int
-    scale: float
 
 
 def unfit_reason(model: nn.Module, picked: set[tuple[str, tuple[int, int]]],
@@ -71,42 +59,29 @@ def unfit_reason(model: nn.Module, picked: set[tuple[str, tuple[int, int]]],
 
 
 class QuantizedDecode:
-    """Runs a decode step's layers as halves; its context is a decode graph's (padded_decode's
+    """Runs a decode step's layers in one call; its context is a decode graph's (padded_decode's
     PaddedDecode meta: int32 slots, block table and lengths), padded to no bucket."""
 
     def __init__(self, model: nn.Module):
         self.model = model
-        self._layers = [self._gathered(i, layer) for i, layer in enumerate(model.layers)]
-
-    @staticmethod
-    def _gathered(index: int, layer: nn.Module) -> _Layer:
-        attn, mlp = layer.self_attn, layer.mlp
-        rope = attn.rotary_emb
-        return _Layer(
-            index,
-            (layer.input_layernorm.weight, layer.input_layernorm.eps,
-             *_pair(attn.qkv_proj.weight), attn.qkv_proj.bias, *_pair(attn.o_proj.weight),
-             rope.cos, rope.sin),
-            (layer.post_attention_layernorm.weight, layer.post_attention_layernorm.eps,
-             *_pair(mlp.gate_up_proj.weight), mlp.gate_up_proj.bias, *_pair(mlp.down_proj.weight)),
-            attn.qkv_proj.q_size // attn.head_dim, attn.attn.scale)
+        norms, weights, biases = [], [], []
+        for layer in model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            norms += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+            for proj in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
+                weights += _pair(proj.weight)
+            biases += [attn.qkv_proj.bias, mlp.gate_up_proj.bias]
+        attn = model.layers[0].self_attn
+        self._weights = (norms, model.layers[0].input_layernorm.eps, weights, biases,
+                         attn.rotary_emb.cos, attn.rotary_emb.sin)
+        self._heads = (attn.qkv_proj.q_size // attn.head_dim, attn.attn.scale)
 
     @torch.inference_mode()
     def logits(self, ctx: StepContext) -> torch.Tensor:
         """This rank's logits slice of every row, before the gather."""
-        x, residual = self.layers(ctx)
-        x, _ = self.model.norm(x, residual)
-        return self.model.lm_head.local(x)
-
-    def layers(self, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
-        """(hidden, residual) of every row after the last layer, before the final norm."""
-        model, meta, cache = self.model, ctx.meta, ctx.cache.data
-        x = model.embed_tokens(ctx.token_ids)
-        residual = torch.zeros_like(x)  # the first layer's: x + 0 is x
-        step = (ctx.positions, cache)
-        tables = (meta.slot_mapping, meta.block_table, meta.context_lens)
-        for args in self._layers:
-            x, residual = quantized_rows.quantized_attention_half(
-                x, residual, *args.attention, *step, args.index, *tables, args.q_heads, args.scale)
-            x, residual = quantized_rows.quantized_mlp_half(x, residual, *args.mlp)
-        return x, residual
+        meta, model = ctx.meta, self.model
+        x, residual = quantized_rows.quantized_decode_layers(
+            model.embed_tokens(ctx.token_ids), *self._weights, ctx.positions, ctx.cache.data,
+            meta.slot_mapping, meta.block_table, meta.context_lens, *self._heads)
+        x, _ = model.norm(x, residual)
+        return model.lm_head.local(x)

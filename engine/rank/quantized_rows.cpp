@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <optional>
 #include <tuple>
 #include <vector>
 
@@ -27,7 +28,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
-#include <ATen/ops/silu.h>
+#include <ATen/ops/zeros_like.h>
 #include <omp.h>
 
 #include "cpu_vectors.h"
@@ -301,26 +302,26 @@ at::Tensor q4_rows(const at::Tensor& x_in, const at::Tensor& nibbles, const at::
 #endif
 }
 
-// ---- A decode layer's two halves (engine/rank/quantized_layers.py) ----
+// ---- A decode step's layers (engine/rank/quantized_layers.py) ----
 
-// A projection's weight as the halves take it: int8 codes [n][k] with scales [n], or int4 nibbles
-// [n][k/2] with steps [2][n][k/32][1]. Its inputs k; checks it multiplies rows of `k_expected`.
+// A projection's weight as the layers take it: int8 codes [n][k] with scales [n], or int4 nibbles
+// [n][k/2] with steps [2][n][k/32][1]. Its outputs n; checks it multiplies rows of `k_expected`.
 int64_t weight_outputs(const at::Tensor& codes, const at::Tensor& scales, at::ScalarType dtype,
                        int64_t k_expected, const char* name) {
   const bool int4 = codes.scalar_type() == at::kByte;
   TORCH_CHECK_VALUE(codes.dim() == 2 && codes.is_contiguous() && scales.is_contiguous() &&
                         (int4 || codes.scalar_type() == at::kChar) && scales.scalar_type() == dtype,
-                    "quantized decode layer: ", name, " must be int8 codes [n, k] with scales [n] "
+                    "quantized decode layers: ", name, " must be int8 codes [n, k] with scales [n] "
                     "or int4 nibbles [n, k/2] with steps [2, n, k/32, 1], of the activations' "
                     "dtype ", dtype, "; got ", codes.scalar_type(), " ", codes.sizes(), " and ",
                     scales.scalar_type(), " ", scales.sizes());
   const int64_t n = codes.size(0), k = int4 ? 2 * codes.size(1) : codes.size(1);
   TORCH_CHECK_VALUE(k == k_expected && scales.numel() == (int4 ? 2 * n * (k / 32) : n) &&
                         k % (int4 ? 32 : W) == 0,
-                    "quantized decode layer: ", name, " takes ", k, " inputs, the layer gives it ",
+                    "quantized decode layers: ", name, " takes ", k, " inputs, the layer gives it ",
                     k_expected);
 #if !defined(__AVX2__)
-  TORCH_CHECK_NOT_IMPLEMENTED(!int4, "quantized decode layer: int4 products need AVX2");
+  TORCH_CHECK_NOT_IMPLEMENTED(!int4, "quantized decode layers: int4 products need AVX2");
 #endif
   return n;
 }
@@ -392,17 +393,25 @@ void rotate(T* qkv, int64_t rows, int64_t width, int64_t heads, int64_t head_dim
   }
 }
 
-// x [rows][d] of the activations' dtype, contiguous; the residual the same
-void check_rows(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& norm) {
-  TORCH_CHECK_VALUE(x.dim() == 2 && x.is_contiguous() && residual.sizes() == x.sizes() &&
-                        residual.is_contiguous() && residual.scalar_type() == x.scalar_type() &&
-                        norm.dim() == 1 && norm.size(0) == x.size(1) &&
-                        norm.scalar_type() == x.scalar_type() &&
-                        (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
-                    "quantized decode layer: x and residual [rows, d] contiguous, and the norm's "
-                    "weight [d], of one dtype (float32 or bfloat16); got ", x.sizes(), " ",
-                    x.scalar_type(), ", ", residual.sizes(), " ", residual.scalar_type(), ", ",
-                    norm.sizes(), " ", norm.scalar_type());
+// out [rows][ffn] = SiLU(gate) * up from gate_up [rows][2 ffn], SiLU rounded to T before the
+// product, as engine.rank.ops.silu_mul's F.silu(gate).mul_(up)
+template <typename T>
+void silu_mul(const T* gate_up, int64_t rows, int64_t ffn, T* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const T *gate = gate_up + r * 2 * ffn, *up = gate + ffn;
+    T* o = out + r * ffn;
+    int64_t i = 0;
+    for (; i + W <= ffn; i += W) {
+      const vf g = load_widened(gate + i);
+      store_narrowed(o + i, rounded_as<T>(g / (1.f + exp_lanes(-g))) * load_widened(up + i));
+    }
+    for (; i < ffn; ++i) {
+      const float g = widen(gate[i]);
+      T silu;
+      narrow(g / (1.f + std::exp(-g)), &silu);
+      narrow(widen(silu) * widen(up[i]), o + i);
+    }
+  }
 }
 
 // The attention's kernel (engine/rank/fused_attention.cpp's), through torch's dispatcher
@@ -423,128 +432,154 @@ const T* elems(const at::Tensor& t) { return static_cast<const T*>(t.data_ptr())
 template <typename T>
 T* elems_mut(at::Tensor& t) { return static_cast<T*>(t.data_ptr()); }
 
+// One layer's tensors, as the op's lists hold them
+struct Layer {
+  const at::Tensor &input_norm, &post_norm;
+  const at::Tensor &qkv, &qkv_scales, &o, &o_scales, &gate_up, &gate_up_scales, &down,
+      &down_scales;
+  std::optional<at::Tensor> qkv_bias, gate_up_bias;
+};
+
+// The step's shapes and tensors besides the layers' own
+struct Step {
+  const at::Tensor &cos, &sin, &positions, &cache, &slots, &table, &lens;
+  int64_t rows, d, q_heads, hkv, head_dim;
+  float eps;
+  double scale;
+};
+
+void check_bias(const std::optional<at::Tensor>& bias, int64_t n, at::ScalarType dtype,
+                const char* name) {
+  TORCH_CHECK_VALUE(!bias.has_value() || (bias->is_contiguous() && bias->numel() == n &&
+                                          bias->scalar_type() == dtype),
+                    "quantized decode layers: the ", name, " bias must be [", n, "] of ", dtype);
+}
+
+void check_layer(const Layer& l, const Step& s, at::ScalarType dtype) {
+  for (const at::Tensor* norm : {&l.input_norm, &l.post_norm})
+    TORCH_CHECK_VALUE(norm->dim() == 1 && norm->size(0) == s.d && norm->scalar_type() == dtype &&
+                          norm->is_contiguous(),
+                      "quantized decode layers: a norm's weight must be [", s.d, "] of ", dtype,
+                      "; got ", norm->sizes(), " ", norm->scalar_type());
+  const int64_t width = weight_outputs(l.qkv, l.qkv_scales, dtype, s.d, "qkv_proj");
+  TORCH_CHECK_VALUE(width == (s.q_heads + 2 * s.hkv) * s.head_dim,
+                    "quantized decode layers: qkv_proj gives ", width, " outputs, not (",
+                    s.q_heads, " + 2 x ", s.hkv, ") heads of ", s.head_dim);
+  check_bias(l.qkv_bias, width, dtype, "qkv_proj");
+  TORCH_CHECK_VALUE(weight_outputs(l.o, l.o_scales, dtype, s.q_heads * s.head_dim, "o_proj") ==
+                        s.d,
+                    "quantized decode layers: o_proj must give the hidden size ", s.d);
+  const int64_t gate_up = weight_outputs(l.gate_up, l.gate_up_scales, dtype, s.d, "gate_up_proj");
+  TORCH_CHECK_VALUE(gate_up % 2 == 0, "quantized decode layers: gate_up_proj gives ", gate_up,
+                    " outputs, not gate's and up's alike");
+  check_bias(l.gate_up_bias, gate_up, dtype, "gate_up_proj");
+  TORCH_CHECK_VALUE(weight_outputs(l.down, l.down_scales, dtype, gate_up / 2, "down_proj") == s.d,
+                    "quantized decode layers: down_proj must give the hidden size ", s.d);
+}
+
+// One layer: x and residual in, (its output, the next residual) out
 template <typename T>
-std::tuple<at::Tensor, at::Tensor> attention_half_of(
-    const at::Tensor& x, const at::Tensor& residual, const at::Tensor& norm, float eps,
-    const at::Tensor& qkv_codes, const at::Tensor& qkv_scales,
-    const c10::optional<at::Tensor>& qkv_bias, const at::Tensor& o_codes,
-    const at::Tensor& o_scales, const at::Tensor& cos, const at::Tensor& sin,
-    const at::Tensor& positions, const at::Tensor& cache, int64_t layer, const at::Tensor& slots,
-    const at::Tensor& table, const at::Tensor& lens, int64_t q_heads, double scale) {
-  const int64_t rows = x.size(0), d = x.size(1), hkv = cache.size(4), head_dim = cache.size(5);
-  const int64_t width = qkv_codes.size(0);
+std::tuple<at::Tensor, at::Tensor> layer_of(const Layer& l, const Step& s, int64_t index,
+                                            const at::Tensor& x, const at::Tensor& residual) {
+  const int64_t rows = s.rows, d = s.d, width = l.qkv.size(0), ffn = l.gate_up.size(0) / 2;
   const int threads = at::get_num_threads();
   at::Tensor sum = at::empty_like(x), normed = at::empty_like(x);
-  add_norm(elems<T>(x), elems<T>(residual), elems<T>(norm), eps, rows, d, elems_mut<T>(sum),
-           elems_mut<T>(normed));
+  add_norm(elems<T>(x), elems<T>(residual), elems<T>(l.input_norm), s.eps, rows, d,
+           elems_mut<T>(sum), elems_mut<T>(normed));
   at::Tensor qkv = at::empty({rows, width}, x.options());
-  project(elems<T>(normed), rows, d, qkv_codes, qkv_scales, elems_mut<T>(qkv), threads);
-  if (qkv_bias.has_value()) add_bias(elems_mut<T>(qkv), elems<T>(*qkv_bias), rows, width);
-  rotate(elems_mut<T>(qkv), rows, width, q_heads + hkv, head_dim, cos.const_data_ptr<float>(),
-         sin.const_data_ptr<float>(), positions.const_data_ptr<int32_t>());
-  const at::Tensor heads = qkv.view({rows, q_heads + 2 * hkv, head_dim});
-  const at::Tensor out = attend(heads.narrow(1, 0, q_heads), heads.narrow(1, q_heads, hkv),
-                                heads.narrow(1, q_heads + hkv, hkv), cache, layer, slots, table,
-                                lens, scale);
-  at::Tensor y = at::empty({rows, o_codes.size(0)}, x.options());
-  project(elems<T>(out), rows, q_heads * head_dim, o_codes, o_scales, elems_mut<T>(y), threads);
-  return {y, sum};
-}
-
-// prefill::quantized_attention_half: RMSNorm(x + residual), the QKV product (+ bias), RoPE, the
-// new K/V stored and the rows' attention over the cache, the O product (not summed over ranks).
-// Returns (the O product, x + residual).
-std::tuple<at::Tensor, at::Tensor> attention_half(
-    const at::Tensor& x, const at::Tensor& residual, const at::Tensor& norm, double eps,
-    const at::Tensor& qkv_codes, const at::Tensor& qkv_scales,
-    const c10::optional<at::Tensor>& qkv_bias, const at::Tensor& o_codes,
-    const at::Tensor& o_scales, const at::Tensor& cos, const at::Tensor& sin,
-    const at::Tensor& positions, const at::Tensor& cache, int64_t layer, const at::Tensor& slots,
-    const at::Tensor& table, const at::Tensor& lens, int64_t q_heads, double scale) {
-  check_rows(x, residual, norm);
-  const auto dtype = x.scalar_type();
-  TORCH_CHECK_VALUE(cache.dim() == 6 && cache.scalar_type() == dtype && q_heads > 0 &&
-                        q_heads % cache.size(4) == 0 && cache.size(5) % 2 == 0,
-                    "quantized decode layer: a KV cache [2, layers, blocks, block, kv heads, d] "
-                    "of the activations' dtype and whole query groups per KV head; got ",
-                    cache.sizes(), " ", cache.scalar_type(), " for ", q_heads, " query heads");
-  TORCH_CHECK_INDEX(layer >= 0 && layer < cache.size(1), "quantized decode layer: layer ", layer,
-                    " of a cache of ", cache.size(1), " layers");
-  const int64_t hkv = cache.size(4), head_dim = cache.size(5), rows = x.size(0);
-  const int64_t width = weight_outputs(qkv_codes, qkv_scales, dtype, x.size(1), "qkv_proj");
-  TORCH_CHECK_VALUE(width == (q_heads + 2 * hkv) * head_dim,
-                    "quantized decode layer: qkv_proj gives ", width, " outputs, not (", q_heads,
-                    " + 2 x ", hkv, ") heads of ", head_dim);
-  TORCH_CHECK_VALUE(!qkv_bias.has_value() || (qkv_bias->is_contiguous() &&
-                                              qkv_bias->numel() == width &&
-                                              qkv_bias->scalar_type() == dtype),
-                    "quantized decode layer: the qkv bias must be [", width, "] of ", dtype);
-  weight_outputs(o_codes, o_scales, dtype, q_heads * head_dim, "o_proj");
-  TORCH_CHECK_VALUE(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
-                        cos.is_contiguous() && sin.is_contiguous() && cos.dim() == 2 &&
-                        cos.sizes() == sin.sizes() && cos.size(1) == head_dim / 2 &&
-                        positions.scalar_type() == at::kInt && positions.is_contiguous() &&
-                        positions.numel() == rows,
-                    "quantized decode layer: cos and sin [positions, d/2] float32 and int32 "
-                    "positions [rows]");
-  const int32_t* position = positions.const_data_ptr<int32_t>();
-  for (int64_t r = 0; r < rows; ++r)
-    TORCH_CHECK_INDEX(position[r] >= 0 && position[r] < cos.size(0), "quantized decode layer: "
-                      "position ", position[r], " outside the rotary tables' ", cos.size(0));
-  if (dtype == at::kBFloat16)
-    return attention_half_of<bf16>(x, residual, norm, eps, qkv_codes, qkv_scales, qkv_bias,
-                                   o_codes, o_scales, cos, sin, positions, cache, layer, slots,
-                                   table, lens, q_heads, scale);
-  return attention_half_of<float>(x, residual, norm, eps, qkv_codes, qkv_scales, qkv_bias,
-                                  o_codes, o_scales, cos, sin, positions, cache, layer, slots,
-                                  table, lens, q_heads, scale);
-}
-
-template <typename T>
-std::tuple<at::Tensor, at::Tensor> mlp_half_of(
-    const at::Tensor& x, const at::Tensor& residual, const at::Tensor& norm, float eps,
-    const at::Tensor& gate_up_codes, const at::Tensor& gate_up_scales,
-    const c10::optional<at::Tensor>& gate_up_bias, const at::Tensor& down_codes,
-    const at::Tensor& down_scales) {
-  const int64_t rows = x.size(0), d = x.size(1), width = gate_up_codes.size(0);
-  const int threads = at::get_num_threads();
-  at::Tensor sum = at::empty_like(x), normed = at::empty_like(x);
-  add_norm(elems<T>(x), elems<T>(residual), elems<T>(norm), eps, rows, d, elems_mut<T>(sum),
-           elems_mut<T>(normed));
-  at::Tensor gate_up = at::empty({rows, width}, x.options());
-  project(elems<T>(normed), rows, d, gate_up_codes, gate_up_scales, elems_mut<T>(gate_up),
+  project(elems<T>(normed), rows, d, l.qkv, l.qkv_scales, elems_mut<T>(qkv), threads);
+  if (l.qkv_bias.has_value()) add_bias(elems_mut<T>(qkv), elems<T>(*l.qkv_bias), rows, width);
+  rotate(elems_mut<T>(qkv), rows, width, s.q_heads + s.hkv, s.head_dim,
+         s.cos.const_data_ptr<float>(), s.sin.const_data_ptr<float>(),
+         s.positions.const_data_ptr<int32_t>());
+  const at::Tensor heads = qkv.view({rows, s.q_heads + 2 * s.hkv, s.head_dim});
+  const at::Tensor attended =
+      attend(heads.narrow(1, 0, s.q_heads), heads.narrow(1, s.q_heads, s.hkv),
+             heads.narrow(1, s.q_heads + s.hkv, s.hkv), s.cache, index, s.slots, s.table, s.lens,
+             s.scale);
+  at::Tensor o = at::empty_like(x);
+  project(elems<T>(attended), rows, s.q_heads * s.head_dim, l.o, l.o_scales, elems_mut<T>(o),
           threads);
-  if (gate_up_bias.has_value()) add_bias(elems_mut<T>(gate_up), elems<T>(*gate_up_bias), rows, width);
-  // SiLU(gate) * up through ATen, as engine.rank.ops.silu_mul computes it (its vector exp)
-  const int64_t ffn = width / 2;
-  at::Tensor act = at::silu(gate_up.narrow(1, 0, ffn)).mul_(gate_up.narrow(1, ffn, ffn)).contiguous();
-  at::Tensor y = at::empty({rows, down_codes.size(0)}, x.options());
-  project(elems<T>(act), rows, ffn, down_codes, down_scales, elems_mut<T>(y), threads);
-  return {y, sum};
+  at::Tensor next_residual = at::empty_like(x);
+  add_norm(elems<T>(o), elems<T>(sum), elems<T>(l.post_norm), s.eps, rows, d,
+           elems_mut<T>(next_residual), elems_mut<T>(normed));
+  at::Tensor gate_up = at::empty({rows, 2 * ffn}, x.options());
+  project(elems<T>(normed), rows, d, l.gate_up, l.gate_up_scales, elems_mut<T>(gate_up), threads);
+  if (l.gate_up_bias.has_value())
+    add_bias(elems_mut<T>(gate_up), elems<T>(*l.gate_up_bias), rows, 2 * ffn);
+  at::Tensor act = at::empty({rows, ffn}, x.options());
+  silu_mul(elems<T>(gate_up), rows, ffn, elems_mut<T>(act));
+  at::Tensor out = at::empty_like(x);
+  project(elems<T>(act), rows, ffn, l.down, l.down_scales, elems_mut<T>(out), threads);
+  return {out, next_residual};
 }
 
-// prefill::quantized_mlp_half: RMSNorm(x + residual), the gate/up product (+ bias), SiLU(gate) ·
-// up, the down product (not summed over ranks). Returns (the down product, x + residual).
-std::tuple<at::Tensor, at::Tensor> mlp_half(
-    const at::Tensor& x, const at::Tensor& residual, const at::Tensor& norm, double eps,
-    const at::Tensor& gate_up_codes, const at::Tensor& gate_up_scales,
-    const c10::optional<at::Tensor>& gate_up_bias, const at::Tensor& down_codes,
-    const at::Tensor& down_scales) {
-  check_rows(x, residual, norm);
+// Layer i's tensors out of the op's lists
+Layer layer_at(at::TensorList norms, at::TensorList weights,
+               const c10::List<std::optional<at::Tensor>>& biases, int64_t i) {
+  const at::Tensor* w = weights.data() + 8 * i;
+  return Layer{norms[2 * i], norms[2 * i + 1], w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7],
+               biases.get(2 * i), biases.get(2 * i + 1)};
+}
+
+void check_step(const at::Tensor& x, const Step& s, int64_t layers, int64_t norms,
+                int64_t weights, int64_t biases) {
   const auto dtype = x.scalar_type();
-  const int64_t width = weight_outputs(gate_up_codes, gate_up_scales, dtype, x.size(1), "gate_up_proj");
-  TORCH_CHECK_VALUE(width % 2 == 0 && (!gate_up_bias.has_value() ||
-                                       (gate_up_bias->is_contiguous() &&
-                                        gate_up_bias->numel() == width &&
-                                        gate_up_bias->scalar_type() == dtype)),
-                    "quantized decode layer: gate_up_proj gives ", width, " outputs (gate, then "
-                    "up) and its bias, if any, must be [", width, "] of ", dtype);
-  weight_outputs(down_codes, down_scales, dtype, width / 2, "down_proj");
-  if (dtype == at::kBFloat16)
-    return mlp_half_of<bf16>(x, residual, norm, eps, gate_up_codes, gate_up_scales, gate_up_bias,
-                             down_codes, down_scales);
-  return mlp_half_of<float>(x, residual, norm, eps, gate_up_codes, gate_up_scales, gate_up_bias,
-                            down_codes, down_scales);
+  TORCH_CHECK_VALUE(x.dim() == 2 && x.is_contiguous() &&
+                        (dtype == at::kFloat || dtype == at::kBFloat16),
+                    "quantized decode layers: x [rows, d] contiguous, float32 or bfloat16; got ",
+                    x.sizes(), " ", dtype);
+  TORCH_CHECK_VALUE(norms == 2 * layers && weights == 8 * layers && biases == 2 * layers &&
+                        layers > 0,
+                    "quantized decode layers: per layer 2 norms, 8 weight tensors and 2 biases; "
+                    "got ", norms, ", ", weights, " and ", biases, " for ", layers, " layers");
+  TORCH_CHECK_VALUE(s.cache.dim() == 6 && s.cache.scalar_type() == dtype && s.q_heads > 0 &&
+                        s.q_heads % s.hkv == 0 && s.head_dim % 2 == 0 && s.cache.size(1) == layers,
+                    "quantized decode layers: a KV cache [2, layers, blocks, block, kv heads, d] "
+                    "of the activations' dtype, one layer for each of the ", layers,
+                    ", and whole query groups per KV head; got ", s.cache.sizes(), " ",
+                    s.cache.scalar_type(), " for ", s.q_heads, " query heads");
+  TORCH_CHECK_VALUE(s.cos.scalar_type() == at::kFloat && s.sin.scalar_type() == at::kFloat &&
+                        s.cos.is_contiguous() && s.sin.is_contiguous() && s.cos.dim() == 2 &&
+                        s.cos.sizes() == s.sin.sizes() && s.cos.size(1) == s.head_dim / 2 &&
+                        s.positions.scalar_type() == at::kInt && s.positions.is_contiguous() &&
+                        s.positions.numel() == s.rows,
+                    "quantized decode layers: cos and sin [positions, d/2] float32 and int32 "
+                    "positions [rows]");
+  const int32_t* position = s.positions.const_data_ptr<int32_t>();
+  for (int64_t r = 0; r < s.rows; ++r)
+    TORCH_CHECK_INDEX(position[r] >= 0 && position[r] < s.cos.size(0), "quantized decode "
+                      "layers: position ", position[r], " outside the rotary tables' ",
+                      s.cos.size(0));
+}
+
+// prefill::quantized_decode_layers: every layer of a decode step, from the embedded rows x [rows,
+// d]; layer i's tensors are norms[2i : 2i + 2] (input, post-attention), weights[8i : 8i + 8]
+// (qkv, o, gate/up and down, each as its two tensors) and biases[2i : 2i + 2] (qkv's, gate/up's,
+// or None). Each layer: RMSNorm, the QKV product (+ bias), RoPE, the new K/V stored and each
+// row's attention over the cache, the O product, RMSNorm of it plus the residual, the gate/up
+// product (+ bias), SiLU·mul, the down product. Returns (the last layer's output, its residual).
+std::tuple<at::Tensor, at::Tensor> decode_layers(
+    const at::Tensor& x, at::TensorList norms, double eps, at::TensorList weights,
+    const c10::List<std::optional<at::Tensor>>& biases, const at::Tensor& cos,
+    const at::Tensor& sin, const at::Tensor& positions, const at::Tensor& cache,
+    const at::Tensor& slots, const at::Tensor& table, const at::Tensor& lens, int64_t q_heads,
+    double scale) {
+  const int64_t layers = static_cast<int64_t>(norms.size()) / 2;
+  const Step s{cos, sin, positions, cache, slots, table, lens, x.size(0), x.dim() == 2 ? x.size(1) : 0,
+               q_heads, cache.dim() == 6 ? cache.size(4) : 1, cache.dim() == 6 ? cache.size(5) : 0,
+               static_cast<float>(eps), scale};
+  check_step(x, s, layers, static_cast<int64_t>(norms.size()),
+             static_cast<int64_t>(weights.size()), static_cast<int64_t>(biases.size()));
+  for (int64_t i = 0; i < layers; ++i) check_layer(layer_at(norms, weights, biases, i), s, x.scalar_type());
+  at::Tensor hidden = x, residual = at::zeros_like(x);  // the first layer's: x + 0 is x
+  for (int64_t i = 0; i < layers; ++i) {
+    const Layer l = layer_at(norms, weights, biases, i);
+    std::tie(hidden, residual) = x.scalar_type() == at::kBFloat16
+                                     ? layer_of<bf16>(l, s, i, hidden, residual)
+                                     : layer_of<float>(l, s, i, hidden, residual);
+  }
+  return {hidden, residual};
 }
 
 }  // namespace
@@ -564,7 +599,6 @@ extern "C" int register_ops() {
   return register_cpu_kernels([](torch::Library& library) {
     library.impl("int8_rows", TORCH_FN(int8_rows));
     library.impl("q4_rows", TORCH_FN(q4_rows));
-    library.impl("quantized_attention_half", TORCH_FN(attention_half));
-    library.impl("quantized_mlp_half", TORCH_FN(mlp_half));
+    library.impl("quantized_decode_layers", TORCH_FN(decode_layers));
   });
 }

@@ -36,22 +36,14 @@ q4_rows = graph_op.declare(
     "q4_rows(Tensor x, Tensor nibbles, Tensor steps) -> Tensor",
     lambda x, nibbles, steps: x.new_empty(x.shape[0], nibbles.shape[0], dtype=steps.dtype))
 
-# a decode layer's two halves (engine.rank.quantized_layers): each weight as its two tensors,
-# int8 (codes, scales) or int4 (nibbles, steps); each half returns (its product, x + residual)
-quantized_attention_half = graph_op.declare(
-    "quantized_attention_half(Tensor x, Tensor residual, Tensor norm, float eps, "
-    "Tensor qkv_codes, Tensor qkv_scales, Tensor? qkv_bias, Tensor o_codes, Tensor o_scales, "
-    "Tensor cos, Tensor sin, Tensor positions, Tensor(a!) cache, int layer, "
+# a decode step's layers (engine.rank.quantized_layers): per layer 2 norms, its 4 weights as 8
+# tensors (int8 codes and scales, or int4 nibbles and steps) and 2 biases
+quantized_decode_layers = graph_op.declare(
+    "quantized_decode_layers(Tensor x, Tensor[] norms, float eps, Tensor[] weights, "
+    "Tensor?[] biases, Tensor cos, Tensor sin, Tensor positions, Tensor(a!) cache, "
     "Tensor slot_mapping, Tensor block_table, Tensor context_lens, int q_heads, float scale) "
     "-> (Tensor, Tensor)",
-    lambda x, residual, norm, eps, qkv_codes, qkv_scales, qkv_bias, o_codes, *rest: (
-        x.new_empty(x.shape[0], o_codes.shape[0]), x.new_empty(x.shape)))
-quantized_mlp_half = graph_op.declare(
-    "quantized_mlp_half(Tensor x, Tensor residual, Tensor norm, float eps, "
-    "Tensor gate_up_codes, Tensor gate_up_scales, Tensor? gate_up_bias, Tensor down_codes, "
-    "Tensor down_scales) -> (Tensor, Tensor)",
-    lambda x, residual, norm, eps, gate_up_codes, gate_up_scales, gate_up_bias, down_codes,
-    down_scales: (x.new_empty(x.shape[0], down_codes.shape[0]), x.new_empty(x.shape)))
+    lambda x, *rest: (torch.empty_like(x), torch.empty_like(x)))
 
 
 def available(kind: str = "int8") -> bool:

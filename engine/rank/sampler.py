@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 import time
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -42,16 +43,25 @@ def _scaled(row: torch.Tensor, temperature: float) -> torch.Tensor | None:
     return scaled if bool(torch.isfinite(scaled).all()) else None
 
 
+def _argmax(row: torch.Tensor) -> int:
+    """The index of the row's largest value (its first, where several are): numpy's on a host
+    float32 row, which is vectorised (5 us for SmolLM2's 49152 logits on the AVX512-BF16 EPYC,
+    torch's argmax 44 us: ~0.8 % of a 4-bit decode step)."""
+    if row.dtype == torch.float32 and row.device.type == "cpu" and not row.requires_grad:
+        return int(row.numpy().argmax())
+    return int(row.argmax())
+
+
 def sample(logits: torch.Tensor, specs: list[SamplingSpec]) -> list[int]:
     """logits: [n, vocab] float32, one row per spec."""
     out = []
     for row, spec in zip(logits, specs):
         if spec.temperature == 0.0:
-            out.append(int(row.argmax()))
+            out.append(_argmax(row))
             continue
         scaled = _scaled(row, spec.temperature)
         if scaled is None:
-            out.append(int(row.argmax()))
+            out.append(_argmax(row))
             continue
         probs = _filtered(scaled, spec.top_k, spec.top_p).softmax(-1)
         gen = None
@@ -73,9 +83,12 @@ def sample_into(sampler: Sampler, logits: torch.Tensor, batch: Batch, result: St
     "sample" garbage: it is flagged and sampled from a safe stand-in, and a row whose settings
     make sampling raise fails alone, so one bad request spares the others."""
     start = time.perf_counter()
-    # a row is finite iff its largest magnitude is (amax keeps a NaN): 6x faster than
-    # isfinite(logits).all() for a 49152-token vocabulary, every step
-    result.nonfinite_rows = (~torch.isfinite(logits.abs().amax(-1))).nonzero().flatten().tolist()
+    # a row is finite iff its largest and smallest values are (numpy's max and min keep a NaN):
+    # 9 us for a 49152-token row on the AVX512-BF16 EPYC, against 24 for torch's largest
+    # magnitude (abs, then amax) and more for isfinite(logits).all()
+    rows = logits.numpy()
+    result.nonfinite_rows = np.flatnonzero(
+        ~(np.isfinite(rows.max(-1)) & np.isfinite(rows.min(-1)))).tolist()
     safe = logits.nan_to_num(0.0, 0.0, 0.0) if result.nonfinite_rows else logits
     try:
         result.token_ids = sampler(safe, batch.sampling)

@@ -85,7 +85,7 @@ class Worker:
                                 if plan.weights is not None else 0)
         self.load_s = time.perf_counter() - started
         self.kernel_choice_s = self._measure_kernels() if plan.measure_kernels else 0.0
-        # weights=...: decode steps' layers as two C++ calls each (engine.rank.quantized_layers)
+        # weights=...: decode steps' layers in one C++ call (engine.rank.quantized_layers)
         self.quantized_decode, self._quantized_decode_note = self._quantized_decode()
         self.decode_model, self.decode_bytes = self._decode_view()
         self.prompt_copy_bytes = self._make_prompt_copies()
@@ -135,7 +135,7 @@ class Worker:
                               self.shard.heads.kv_head_of_q_head())
         if reason is not None:
             return None, f"quantized-decode-layers: off ({reason})"
-        return QuantizedDecode(self.model), "quantized-decode-layers: two C++ calls a layer"
+        return QuantizedDecode(self.model), "quantized-decode-layers: one C++ call a step"
 
     def _graph_key(self) -> str | None:
         """What this rank's compiled graphs depend on besides their code and tensor inputs,
