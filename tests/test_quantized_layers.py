@@ -3,7 +3,8 @@ quantized_decode_layers) against float64 layers written here (RMSNorm, the weigh
 hand from their codes, RoPE by its formula, softmax attention over each row's context read
 through its block table, SiLU·mul), for int8 and int4 weights, float32 and bf16, rows past the
 products' 4 at a time, query groups and biases; the KV cache holding each layer's rotated K and
-V afterwards; refusals; and engines whose decode steps run it (tests/test_quantized_rows.py)."""
+V afterwards; refusals; an engine whose rows decode alike alone and in a batch of six; and
+engines whose decode steps run it (tests/test_quantized_rows.py)."""
 from __future__ import annotations
 
 import math
@@ -186,3 +187,23 @@ def test_refusals_name_the_problem():
     setup.layers.pop()  # one layer's tensors for a cache of two
     with pytest.raises(ValueError, match="one layer for each of the 1"):
         setup.run()
+
+
+def test_an_engines_rows_do_not_depend_on_their_batch(tiny_model_dir, monkeypatch, tmp_path):
+    """Six sequences decoded in one batch (past the products' and the LM head's 4 rows at a
+    time) get the tokens each gets alone: every row goes through the same kernels."""
+    from engine import LLM, SamplingParams
+    from engine.rank import kernel_choice as kc
+
+    monkeypatch.setenv("PREFILL_ENGINE_CACHE", str(tmp_path))
+    timed = kc._time_linear
+    monkeypatch.setattr(kc, "_time_linear", lambda kernels, weight, rows, prepare=None: (
+        {"torch": 3e-3, "fused": 1e-3} if set(kernels) == {"torch", "fused"}
+        else timed(kernels, weight, rows, prepare)))
+    prompts = [[(7 * i + 3 * j) % 200 + 3 for j in range(4 + 5 * i)] for i in range(6)]
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    with LLM(str(tiny_model_dir("llama")), weights="int4", dtype="bfloat16",
+             enable_prefix_caching=False) as llm:
+        assert "quantized-decode-layers: one C++ call a step" in llm.rank_info()[0].kernels
+        alone = [llm.generate([p], params)[0].token_ids for p in prompts]
+        assert [o.token_ids for o in llm.generate(prompts, params)] == alone

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from engine.rank import fused_attention, quantized_rows
-from engine.rank.quantized import QuantizedWeight
+from engine.rank.quantized import KERNEL_ROWS, QuantizedWeight
 from engine.rank.step_context import StepContext
 
 
@@ -84,4 +84,8 @@ class QuantizedDecode:
             model.embed_tokens(ctx.token_ids), *self._weights, ctx.positions, ctx.cache.data,
             meta.slot_mapping, meta.block_table, meta.context_lens, *self._heads)
         x, _ = model.norm(x, residual)
-        return model.lm_head.local(x)
+        # the LM head KERNEL_ROWS rows at a time, as its C++ kernel takes them (more rows would
+        # take torch's kernel, whose other roundings would make a row's token depend on how
+        # many sequences share its step)
+        return torch.cat([model.lm_head.local(x[i:i + KERNEL_ROWS])
+                          for i in range(0, len(x), KERNEL_ROWS)])
