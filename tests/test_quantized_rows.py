@@ -301,6 +301,8 @@ def test_an_engine_where_they_win_runs_them_and_keeps_the_tokens(tiny_model_dir,
                      else (names[name], shapes[1][0]) for name, shapes in called]
             if choice == "fixed":
                 assert calls == []
+                assert any(line.startswith("quantized-decode-layers: off (the C++ row products")
+                           for line in llm.rank_info()[0].kernels)
             else:
                 [info] = llm.rank_info()
     fused = [line.split(" ", 1)[0] for line in info.kernels

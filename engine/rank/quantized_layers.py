@@ -50,7 +50,8 @@ def unfit_reason(model: nn.Module, picked: set[tuple[str, tuple[int, int]]],
     if not all((p.weight.kind, p.weight.shape) in picked for m in model.layers
                for p in (m.self_attn.qkv_proj, m.self_attn.o_proj, m.mlp.gate_up_proj,
                          m.mlp.down_proj)):
-        return "torch's kernels timed faster for a projection shape"
+        return ("the C++ row products do not run every projection (torch's timed faster, or "
+                "kernel_choice='fixed' timed nothing)")
     dtype = projections[0].weight.dtype
     if not (fused_attention.takes_paged_decode(dtype, attn.head_dim, kv_head_of_q)
             and fused_attention.available()):
