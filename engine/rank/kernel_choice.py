@@ -254,6 +254,10 @@ class KernelChoice:
     # (kind, shape) of quantized weights (weights=...) whose products of at most KERNEL_ROWS
     # rows run the C++ kernels (engine.rank.quantized_rows) instead of torch's, where timed faster
     quantized_rows_shapes: set[tuple[str, tuple[int, int]]] = field(default_factory=set)
+    # each timed (kind, shape)'s seconds per kernel ("torch", "fused"): a quantized decode
+    # step's layers in one call weigh a layer's products together (engine.rank.quantized_layers)
+    quantized_rows_seconds: dict[tuple[str, tuple[int, int]], dict[str, float]] = field(
+        default_factory=dict)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight,
                bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -393,6 +397,7 @@ class KernelChoice:
                                          candidates,
                                          lambda w=weight: _time_linear(candidates, w, 1), source)
                 self.picks.append(pick)
+                self.quantized_rows_seconds[(kind, shape)] = dict(pick.seconds)
                 if pick.kernel == "fused":
                     self.quantized_rows_shapes.add((kind, shape))
         if store is not None:

@@ -6,9 +6,9 @@ the O product, RMSNorm, the gate/up product, SiLU·mul and the down product.
 A compiled decode graph ran the same products' kernels but made ~9 kernel and op calls per layer
 from inductor's Python, with ~24 size checks and dynamo's and AOTAutograd's wrappers around it;
 as two C++ calls a layer (one per half) a 4-bit SmolLM2 step still spent ~0.7 ms of ~5.6 in the
-calls' own costs (BENCHMARKS.md, session 51). The layers run the products' kernels that
-KernelChoice timed faster than torch's for every projection shape (`quantized_rows_shapes`) and
-the fused decode attention; where either is missing, decode steps run as before. Rows go through
+calls' own costs (BENCHMARKS.md, session 51). The layers run the C++ products where KernelChoice
+timed them faster than torch's for a layer's projections together, and the fused decode
+attention; where either is missing, decode steps run as before. Rows go through
 the products 4 at a time (quantized.KERNEL_ROWS), so a step of any number of sequences takes
 this path. One rank only: with tp > 1 each half of a layer ends in an all-reduce, so such ranks
 decode as before.
@@ -34,10 +34,13 @@ def _pair(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
     return (weight.codes, weight.scales) if weight.kind == "int8" else (weight.nibbles, weight.steps)
 
 
-def unfit_reason(model: nn.Module, picked: set[tuple[str, tuple[int, int]]],
+def unfit_reason(model: nn.Module, seconds: dict[tuple[str, tuple[int, int]], dict[str, float]],
                  kv_head_of_q: list[int]) -> str | None:
-    """Why `model`'s decode steps cannot run as halves here (None: they can). `picked`: the
-    (kind, shape) of quantized weights whose products run the C++ kernels (KernelChoice)."""
+    """Why `model`'s decode steps cannot run as one call here (None: they can). `seconds`: each
+    quantized (kind, shape)'s timed product, per kernel (KernelChoice.quantized_rows_seconds).
+    The call runs the C++ products for all of a layer's projections, so it is taken where they
+    timed faster together than torch's: a shape picked apart by a few percent either way (the
+    SmolLM2 gate/up's was, from run to run) must not turn it off."""
     if model.tp.world_size() > 1:
         return "tp > 1"
     layer = model.layers[0]
@@ -47,11 +50,16 @@ def unfit_reason(model: nn.Module, picked: set[tuple[str, tuple[int, int]]],
         return "the projections are not quantized"
     if attn.o_proj.bias is not None or mlp.down_proj.bias is not None:
         return "a row-parallel projection has a bias"
-    if not all((p.weight.kind, p.weight.shape) in picked for m in model.layers
-               for p in (m.self_attn.qkv_proj, m.self_attn.o_proj, m.mlp.gate_up_proj,
-                         m.mlp.down_proj)):
-        return ("the C++ row products do not run every projection (torch's timed faster, or "
-                "kernel_choice='fixed' timed nothing)")
+    shapes = {(p.weight.kind, p.weight.shape) for m in model.layers
+              for p in (m.self_attn.qkv_proj, m.self_attn.o_proj, m.mlp.gate_up_proj,
+                        m.mlp.down_proj)}
+    timed = [seconds.get(shape, {}) for shape in shapes]
+    if not all("fused" in t and "torch" in t for t in timed):
+        return "the C++ row products were not timed for every projection (kernel_choice='fixed')"
+    fused, torch_s = (sum(t[k] for t in timed) for k in ("fused", "torch"))
+    if fused > torch_s:
+        return (f"torch's products timed faster together ({torch_s * 1e3:.3g} against "
+                f"{fused * 1e3:.3g} ms a layer)")
     dtype = projections[0].weight.dtype
     if not (fused_attention.takes_paged_decode(dtype, attn.head_dim, kv_head_of_q)
             and fused_attention.available()):

@@ -27,7 +27,6 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
 #include <ATen/ops/zeros_like.h>
 #include <omp.h>
 
@@ -345,24 +344,34 @@ void project(const T* x, int64_t rows, int64_t k, const at::Tensor& codes,
   }
 }
 
-// sum = x + residual (the next residual) and normed = weight * RMSNorm(sum), rounded where
-// engine.rank.ops.rmsnorm rounds: the sum, the normalised row, the product
+// residual += x (the next residual, in place) and normed = weight * RMSNorm(residual), rounded
+// where engine.rank.ops.rmsnorm rounds: the sum, the normalised row, the product
 template <typename T>
-void add_norm(const T* x, const T* residual, const T* weight, float eps, int64_t rows, int64_t d,
-              T* sum, T* normed) {
+void add_norm(const T* x, T* residual, const T* weight, float eps, int64_t rows, int64_t d,
+              T* normed) {
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t row = r * d;
-    float squares = 0.f;
-    for (int64_t i = 0; i < d; ++i) {
-      narrow(widen(x[row + i]) + widen(residual[row + i]), sum + row + i);
-      const float s = widen(sum[row + i]);
-      squares += s * s;
+    T* const sum = residual + r * d;
+    const T* const in = x + r * d;
+    vf squares = splat(0.f);
+    float tail = 0.f;
+    int64_t i = 0;
+    for (; i + W <= d; i += W) {
+      const vf v = rounded_as<T>(load_widened(in + i) + load_widened(sum + i));
+      store_narrowed(sum + i, v);
+      squares += v * v;
     }
-    const float scale = 1.f / std::sqrt(squares / static_cast<float>(d) + eps);
-    for (int64_t i = 0; i < d; ++i) {
+    for (; i < d; ++i) {
+      narrow(widen(in[i]) + widen(sum[i]), sum + i);
+      tail += widen(sum[i]) * widen(sum[i]);
+    }
+    const float scale = 1.f / std::sqrt((hsum(squares) + tail) / static_cast<float>(d) + eps);
+    T* const out = normed + r * d;
+    for (i = 0; i + W <= d; i += W)
+      store_narrowed(out + i, load_widened(weight + i) * rounded_as<T>(load_widened(sum + i) * scale));
+    for (; i < d; ++i) {
       T h;
-      narrow(widen(sum[row + i]) * scale, &h);
-      narrow(widen(weight[i]) * widen(h), normed + row + i);
+      narrow(widen(sum[i]) * scale, &h);
+      narrow(widen(weight[i]) * widen(h), out + i);
     }
   }
 }
@@ -477,41 +486,40 @@ void check_layer(const Layer& l, const Step& s, at::ScalarType dtype) {
                     "quantized decode layers: down_proj must give the hidden size ", s.d);
 }
 
-// One layer: x and residual in, (its output, the next residual) out
+// A step's buffers, which every layer uses in turn: the hidden rows and the residual (the op's
+// outputs), the normed rows, and the products' outputs
+struct Buffers {
+  at::Tensor hidden, residual, normed, qkv, o, gate_up, act;
+};
+
+// One layer, from x (the op's input for the first, the hidden rows after): the residual updated
+// in place, the layer's output into the hidden rows
 template <typename T>
-std::tuple<at::Tensor, at::Tensor> layer_of(const Layer& l, const Step& s, int64_t index,
-                                            const at::Tensor& x, const at::Tensor& residual) {
+void layer_of(const Layer& l, const Step& s, int64_t index, const at::Tensor& x, Buffers& b) {
   const int64_t rows = s.rows, d = s.d, width = l.qkv.size(0), ffn = l.gate_up.size(0) / 2;
   const int threads = at::get_num_threads();
-  at::Tensor sum = at::empty_like(x), normed = at::empty_like(x);
-  add_norm(elems<T>(x), elems<T>(residual), elems<T>(l.input_norm), s.eps, rows, d,
-           elems_mut<T>(sum), elems_mut<T>(normed));
-  at::Tensor qkv = at::empty({rows, width}, x.options());
-  project(elems<T>(normed), rows, d, l.qkv, l.qkv_scales, elems_mut<T>(qkv), threads);
-  if (l.qkv_bias.has_value()) add_bias(elems_mut<T>(qkv), elems<T>(*l.qkv_bias), rows, width);
-  rotate(elems_mut<T>(qkv), rows, width, s.q_heads + s.hkv, s.head_dim,
+  add_norm(elems<T>(x), elems_mut<T>(b.residual), elems<T>(l.input_norm), s.eps, rows, d,
+           elems_mut<T>(b.normed));
+  project(elems<T>(b.normed), rows, d, l.qkv, l.qkv_scales, elems_mut<T>(b.qkv), threads);
+  if (l.qkv_bias.has_value()) add_bias(elems_mut<T>(b.qkv), elems<T>(*l.qkv_bias), rows, width);
+  rotate(elems_mut<T>(b.qkv), rows, width, s.q_heads + s.hkv, s.head_dim,
          s.cos.const_data_ptr<float>(), s.sin.const_data_ptr<float>(),
          s.positions.const_data_ptr<int32_t>());
-  const at::Tensor heads = qkv.view({rows, s.q_heads + 2 * s.hkv, s.head_dim});
+  const at::Tensor heads = b.qkv.view({rows, s.q_heads + 2 * s.hkv, s.head_dim});
   const at::Tensor attended =
       attend(heads.narrow(1, 0, s.q_heads), heads.narrow(1, s.q_heads, s.hkv),
              heads.narrow(1, s.q_heads + s.hkv, s.hkv), s.cache, index, s.slots, s.table, s.lens,
              s.scale);
-  at::Tensor o = at::empty_like(x);
-  project(elems<T>(attended), rows, s.q_heads * s.head_dim, l.o, l.o_scales, elems_mut<T>(o),
+  project(elems<T>(attended), rows, s.q_heads * s.head_dim, l.o, l.o_scales, elems_mut<T>(b.o),
           threads);
-  at::Tensor next_residual = at::empty_like(x);
-  add_norm(elems<T>(o), elems<T>(sum), elems<T>(l.post_norm), s.eps, rows, d,
-           elems_mut<T>(next_residual), elems_mut<T>(normed));
-  at::Tensor gate_up = at::empty({rows, 2 * ffn}, x.options());
-  project(elems<T>(normed), rows, d, l.gate_up, l.gate_up_scales, elems_mut<T>(gate_up), threads);
+  add_norm(elems<T>(b.o), elems_mut<T>(b.residual), elems<T>(l.post_norm), s.eps, rows, d,
+           elems_mut<T>(b.normed));
+  project(elems<T>(b.normed), rows, d, l.gate_up, l.gate_up_scales, elems_mut<T>(b.gate_up),
+          threads);
   if (l.gate_up_bias.has_value())
-    add_bias(elems_mut<T>(gate_up), elems<T>(*l.gate_up_bias), rows, 2 * ffn);
-  at::Tensor act = at::empty({rows, ffn}, x.options());
-  silu_mul(elems<T>(gate_up), rows, ffn, elems_mut<T>(act));
-  at::Tensor out = at::empty_like(x);
-  project(elems<T>(act), rows, ffn, l.down, l.down_scales, elems_mut<T>(out), threads);
-  return {out, next_residual};
+    add_bias(elems_mut<T>(b.gate_up), elems<T>(*l.gate_up_bias), rows, 2 * ffn);
+  silu_mul(elems<T>(b.gate_up), rows, ffn, elems_mut<T>(b.act));
+  project(elems<T>(b.act), rows, ffn, l.down, l.down_scales, elems_mut<T>(b.hidden), threads);
 }
 
 // Layer i's tensors out of the op's lists
@@ -571,15 +579,27 @@ std::tuple<at::Tensor, at::Tensor> decode_layers(
                static_cast<float>(eps), scale};
   check_step(x, s, layers, static_cast<int64_t>(norms.size()),
              static_cast<int64_t>(weights.size()), static_cast<int64_t>(biases.size()));
-  for (int64_t i = 0; i < layers; ++i) check_layer(layer_at(norms, weights, biases, i), s, x.scalar_type());
-  at::Tensor hidden = x, residual = at::zeros_like(x);  // the first layer's: x + 0 is x
+  const Layer first = layer_at(norms, weights, biases, 0);
   for (int64_t i = 0; i < layers; ++i) {
     const Layer l = layer_at(norms, weights, biases, i);
-    std::tie(hidden, residual) = x.scalar_type() == at::kBFloat16
-                                     ? layer_of<bf16>(l, s, i, hidden, residual)
-                                     : layer_of<float>(l, s, i, hidden, residual);
+    check_layer(l, s, x.scalar_type());
+    TORCH_CHECK_VALUE(l.gate_up.size(0) == first.gate_up.size(0),
+                      "quantized decode layers: every layer's gate_up_proj must give ",
+                      first.gate_up.size(0), " outputs, as the first's; layer ", i, "'s gives ",
+                      l.gate_up.size(0));
   }
-  return {hidden, residual};
+  const auto rows = [&](int64_t n) { return at::empty({s.rows, n}, x.options()); };
+  // the first layer's residual is zeros: x + 0 is x
+  Buffers b{rows(s.d), at::zeros_like(x), rows(s.d), rows(first.qkv.size(0)), rows(s.d),
+            rows(first.gate_up.size(0)), rows(first.gate_up.size(0) / 2)};
+  for (int64_t i = 0; i < layers; ++i) {
+    const Layer l = layer_at(norms, weights, biases, i);
+    if (x.scalar_type() == at::kBFloat16)
+      layer_of<bf16>(l, s, i, i == 0 ? x : b.hidden, b);
+    else
+      layer_of<float>(l, s, i, i == 0 ? x : b.hidden, b);
+  }
+  return {b.hidden, b.residual};
 }
 
 }  // namespace

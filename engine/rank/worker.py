@@ -131,7 +131,7 @@ class Worker:
         plan = self.plan
         if plan.weights is None or plan.on_cuda or plan.cp > 1:
             return None, ""
-        reason = unfit_reason(self.model, self.kernels.quantized_rows_shapes,
+        reason = unfit_reason(self.model, self.kernels.quantized_rows_seconds,
                               self.shard.heads.kv_head_of_q_head())
         if reason is not None:
             return None, f"quantized-decode-layers: off ({reason})"
