@@ -4,14 +4,15 @@ the KV store and attention (the fused decode attention's kernel, through torch's
 the O product, RMSNorm, the gate/up product, SiLU·mul and the down product.
 
 A compiled decode graph ran the same products' kernels but made ~9 kernel and op calls per layer
-from inductor's Python, with ~24 size checks and dynamo's and AOTAutograd's wrappers around it;
-as two C++ calls a layer (one per half) a 4-bit SmolLM2 step still spent ~0.7 ms of ~5.6 in the
-calls' own costs (BENCHMARKS.md, session 51). The layers run the C++ products where KernelChoice
-timed them faster than torch's for a layer's projections together, and the fused decode
-attention; where either is missing, decode steps run as before. Rows go through
-the products 4 at a time (quantized.KERNEL_ROWS), so a step of any number of sequences takes
-this path. One rank only: with tp > 1 each half of a layer ends in an all-reduce, so such ranks
-decode as before.
+from inductor's Python, with ~24 size checks and dynamo's and AOTAutograd's wrappers around it.
+In one call SmolLM2's Q4_1 decode ran 1.39-1.41x as fast as through that graph, in float32 and
+bf16 (AVX512-BF16 EPYC, `.venv/bin/python -m bench.peers --systems engine engine-gguf vllm
+--dtypes float32 bfloat16 --repeats 5 --lengths 512 2048 --engine-from 5ff3680`, BENCHMARKS.md
+session 51). The layers run the C++ products where KernelChoice timed them faster than torch's
+for a layer's projections together, and the fused decode attention; where either is missing,
+decode steps run as before. Rows go through the products 4 at a time, so a step of any number of
+sequences takes this path. One rank only: with tp > 1 each half of a layer ends in an
+all-reduce, so such ranks decode as before.
 
 Roundings follow the eager layer's (engine.rank.ops): the residual sums, the normalised rows and
 their products with the norms' weights, RoPE's float32 result, SiLU(gate) and its product with up

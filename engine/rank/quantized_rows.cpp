@@ -2,10 +2,12 @@
 // times a weight held as integer codes. Decode steps run them: their rows are few, so a product
 // streams the codes once and is bound by reading them; each code is widened in registers and used
 // by every row. float32 or bfloat16 x, scales and y; float32 sums. Built against torch and loaded
-// by engine/rank/quantized_rows.py, which declares the ops prefill::int8_rows and
-// prefill::q4_rows; register_ops() gives them these CPU kernels. Called straight from torch's
-// dispatcher, eagerly or from a compiled graph: through ctypes and a Python op each call cost
-// several us more, and a decode step makes ~120 of them.
+// by engine/rank/quantized_rows.py, which declares the ops prefill::int8_rows, prefill::q4_rows and
+// prefill::quantized_decode_layers (a decode step's layers in one call, below: the products, and
+// RMSNorm, RoPE, the fused attention's kernel and SiLU·mul between them); register_ops() gives
+// them these CPU kernels. Called straight from torch's dispatcher, eagerly or from a compiled
+// graph: through ctypes and a Python op each call cost several us more, and a decode step made
+// ~120 of them.
 //
 // int8 (weights="int8", and the LM head of every mode): codes [n][k], one scale per output
 // channel: y[r][n] = s[n] sum_k x[r][k] q[n][k].

@@ -1,6 +1,7 @@
 """A few rows' product with quantized weights (quantized_rows.cpp), for decode steps:
 weights="int8"'s projections and every quantized mode's LM head (int8 per channel), and
-weights="int4" | "gguf"'s projections (GGUF's Q4 blocks).
+weights="int4" | "gguf"'s projections (GGUF's Q4 blocks); and the op that runs a decode step's
+layers around them in one call (engine.rank.quantized_layers).
 
 For one row of SmolLM2's int8 LM head, torch's `_weight_int8pack_mm` read its codes at 13.5 GB/s
 with bf16 activations and 2.5 with float32 ones, the int8 kernel at 31.9 and 31.5 (2 threads of

@@ -126,8 +126,8 @@ class Worker:
         return time.perf_counter() - started
 
     def _quantized_decode(self) -> tuple[QuantizedDecode | None, str]:
-        """The runner of quantized decode layers as halves, where this rank can run them, and
-        what rank_info says of it."""
+        """The runner of a quantized decode step's layers in one call, where this rank can run
+        it, and what rank_info says of it."""
         plan = self.plan
         if plan.weights is None or plan.on_cuda or plan.cp > 1:
             return None, ""
