@@ -16,6 +16,7 @@ import torch
 from engine.rank import fused_attention
 from engine.rank import quantized_rows as qr
 from engine.rank.quantized import int4_groups, int8_per_channel
+from tests.row_timings import certain_row_timings, fused_wins
 
 HQ, HKV, HD, D, FFN = 4, 2, 32, 64, 96
 BLOCK, BLOCKS, LAYERS = 4, 32, 2  # 4 blocks a row, none shared
@@ -190,17 +191,6 @@ def test_refusals_name_the_problem():
         setup.run()
 
 
-def _timed_rows(monkeypatch, tmp_path, seconds):
-    """Quantized products' timings made certain: seconds(weight) -> {"torch": s, "fused": s}."""
-    from engine.rank import kernel_choice as kc
-
-    monkeypatch.setenv("PREFILL_ENGINE_CACHE", str(tmp_path))
-    timed = kc._time_linear
-    monkeypatch.setattr(kc, "_time_linear", lambda kernels, weight, rows, prepare=None: (
-        seconds(weight) if set(kernels) == {"torch", "fused"}
-        else timed(kernels, weight, rows, prepare)))
-
-
 @pytest.mark.parametrize("gate_up,taken", [({"torch": 1.1e-3, "fused": 1.2e-3}, True),
                                            ({"torch": 1e-4, "fused": 9e-3}, False)])
 def test_the_one_call_weighs_a_layers_products_together(tiny_model_dir, monkeypatch, tmp_path,
@@ -212,8 +202,8 @@ def test_the_one_call_weighs_a_layers_products_together(tiny_model_dir, monkeypa
 
     config = json.loads((tiny_model_dir("llama") / "config.json").read_text())
     outputs = 2 * config["intermediate_size"]
-    _timed_rows(monkeypatch, tmp_path, lambda w: (
-        gate_up if w.shape[0] == outputs else {"torch": 3e-3, "fused": 1e-3}))
+    certain_row_timings(monkeypatch, tmp_path, lambda w: (
+        gate_up if w.shape[0] == outputs else fused_wins(w)))
     with LLM(str(tiny_model_dir("llama")), weights="int4", enable_prefix_caching=False) as llm:
         kernels = llm.rank_info()[0].kernels
     gate_up_pick = [k for k in kernels if k.startswith(f"int4-rows {outputs}x")]
@@ -230,7 +220,7 @@ def test_an_engines_rows_do_not_depend_on_their_batch(tiny_model_dir, monkeypatc
     time) get the tokens each gets alone: every row goes through the same kernels."""
     from engine import LLM, SamplingParams
 
-    _timed_rows(monkeypatch, tmp_path, lambda w: {"torch": 3e-3, "fused": 1e-3})
+    certain_row_timings(monkeypatch, tmp_path)
     prompts = [[(7 * i + 3 * j) % 200 + 3 for j in range(4 + 5 * i)] for i in range(6)]
     params = SamplingParams(max_tokens=6, ignore_eos=True)
     with LLM(str(tiny_model_dir("llama")), weights="int4", dtype="bfloat16",

@@ -14,6 +14,7 @@ import torch
 from engine.rank import quantized_rows as qr
 from tests.cpu_features import run_in_a_build_for
 from tests.op_calls import op_calls
+from tests.row_timings import certain_row_timings
 from engine.rank import kernel_choice as kc
 from engine.loading.gguf_blocks import Q4Blocks
 from engine.rank.quantized import from_q4_blocks, int4_groups, int8_per_channel
@@ -278,11 +279,7 @@ def test_an_engine_where_they_win_runs_them_and_keeps_the_tokens(tiny_model_dir,
 
     from engine import LLM, SamplingParams
 
-    monkeypatch.setenv("PREFILL_ENGINE_CACHE", str(tmp_path))
-    timed = kc._time_linear
-    monkeypatch.setattr(kc, "_time_linear", lambda kernels, weight, rows, prepare=None: (
-        {"torch": 3e-3, "fused": 1e-3} if set(kernels) == {"torch", "fused"}
-        else timed(kernels, weight, rows, prepare)))
+    certain_row_timings(monkeypatch, tmp_path)
     names = {"prefill::int8_rows": "int8", "prefill::q4_rows": "int4",
              "prefill::quantized_decode_layers": "layers"}
     path = tiny_model_dir("llama")

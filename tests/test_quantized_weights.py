@@ -24,6 +24,7 @@ from engine.loading.checkpoint import open_checkpoint
 from engine.loading.synthetic import random_token_ids
 from engine.rank import gemm, quantized
 from tests.cpu_features import HUGE_PAGES_ON
+from tests.row_timings import certain_row_timings
 
 PROMPT = random_token_ids(24, 250, seed=5)
 
@@ -131,13 +132,7 @@ def row_kernels(request, monkeypatch, tmp_path):
     ones (engine.rank.quantized_rows), made to win every timing."""
     if request.param == "torch":
         return {"kernel_choice": "fixed"}
-    from engine.rank import kernel_choice as kc
-
-    monkeypatch.setenv("PREFILL_ENGINE_CACHE", str(tmp_path / "timings"))
-    timed = kc._time_linear
-    monkeypatch.setattr(kc, "_time_linear", lambda kernels, weight, rows, prepare=None: (
-        {"torch": 3e-3, "fused": 1e-3} if set(kernels) == {"torch", "fused"}
-        else timed(kernels, weight, rows, prepare)))
+    certain_row_timings(monkeypatch, tmp_path / "timings")
     return {}
 
 
