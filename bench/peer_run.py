@@ -1,6 +1,8 @@
 """One system for bench.peers, in a process of its own (run by the peer's interpreter: this file
 imports only what that system needs). It builds the system, prints `READY {"start_s": ...}`, then
-times the greedy calls bench.peers sends on stdin, one at a time (`serve`).
+times the greedy calls bench.peers sends on stdin, one at a time (`serve`), each with the time to
+its first token where the system gives it (the engine's, llama.cpp's and transformers' calls do;
+vLLM's offline `generate` returns only when it ends).
 
     <python> bench/peer_run.py --system vllm --model DIR --dtype float32 --threads 2
 
@@ -16,8 +18,9 @@ import time
 from pathlib import Path
 from typing import Callable
 
-# (token ids, how many new tokens) -> the new tokens, greedy
-Generate = Callable[[list[int], int], list[int]]
+# (token ids, how many new tokens) -> (the new tokens, greedy; the seconds from the call's start
+# to its first token, or None where the system does not say)
+Generate = Callable[[list[int], int], tuple[list[int], float | None]]
 
 
 def engine(model: str, dtype: str, threads: int, settings: dict) -> Generate:
@@ -30,9 +33,9 @@ def engine(model: str, dtype: str, threads: int, settings: dict) -> Generate:
     llm = LLM(model, dtype=dtype, enable_prefix_caching=False, max_num_batched_tokens=2048,
               num_threads=threads, **settings)
 
-    def generate(ids: list[int], n: int) -> list[int]:
+    def generate(ids: list[int], n: int) -> tuple[list[int], float]:
         [out] = llm.generate([ids], SamplingParams(max_tokens=n, ignore_eos=True))
-        return list(out.token_ids)
+        return list(out.token_ids), out.ttft_s  # from the request's arrival in the engine
     return generate
 
 
@@ -43,10 +46,10 @@ def vllm(model: str, dtype: str, threads: int, settings: dict) -> Generate:
     llm = LLM(model=model, dtype=dtype, max_model_len=4096, enable_prefix_caching=False,
               max_num_batched_tokens=4096, seed=0, **settings)
 
-    def generate(ids: list[int], n: int) -> list[int]:
+    def generate(ids: list[int], n: int) -> tuple[list[int], None]:
         params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
         [out] = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
-        return list(out.outputs[0].token_ids)
+        return list(out.outputs[0].token_ids), None
     return generate
 
 
@@ -57,14 +60,17 @@ def llamacpp(model: str, dtype: str, threads: int, settings: dict) -> Generate:
     llm = Llama(model_path=model, n_ctx=4096, n_batch=2048, n_ubatch=2048, n_threads=threads,
                 n_threads_batch=threads, verbose=False, use_extra_bufts=False, **settings)
 
-    def generate(ids: list[int], n: int) -> list[int]:
+    def generate(ids: list[int], n: int) -> tuple[list[int], float | None]:
+        start = time.perf_counter()
         llm.reset()  # nothing kept from the last call: each call computes its whole prompt
-        out = []  # this low-level loop does not stop at end-of-sequence
+        out, first = [], None  # this low-level loop does not stop at end-of-sequence
         for token in llm.generate(ids, temp=0.0, top_k=1, reset=True):
+            if first is None:
+                first = time.perf_counter() - start
             out.append(int(token))
             if len(out) == n:
                 break
-        return out
+        return out, first
     return generate
 
 
@@ -78,11 +84,29 @@ def transformers(model: str, dtype: str, threads: int, settings: dict) -> Genera
     hf = hf_model(model, getattr(torch, dtype))
 
     @torch.inference_mode()
-    def generate(ids: list[int], n: int) -> list[int]:
+    def generate(ids: list[int], n: int) -> tuple[list[int], float | None]:
+        first = FirstToken()
         out = hf.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n,
-                          do_sample=False, pad_token_id=0)
-        return out[0, len(ids):].tolist()
+                          do_sample=False, pad_token_id=0, streamer=first)
+        return out[0, len(ids):].tolist(), first.seconds
     return generate
+
+
+class FirstToken:
+    """A transformers streamer that notes when the first new token comes: generate hands it the
+    prompt's ids first, then each new token."""
+
+    def __init__(self):
+        self.start, self.puts = time.perf_counter(), 0
+        self.seconds: float | None = None
+
+    def put(self, _ids) -> None:
+        self.puts += 1
+        if self.puts == 2:
+            self.seconds = time.perf_counter() - self.start
+
+    def end(self) -> None:
+        pass
 
 
 SYSTEMS = {"engine": engine, "transformers": transformers, "vllm": vllm, "llamacpp": llamacpp}
@@ -90,14 +114,16 @@ SYSTEMS = {"engine": engine, "transformers": transformers, "vllm": vllm, "llamac
 
 def serve(generate: Generate) -> None:
     """Answer timing requests from stdin until it closes: each line {"ids": [...], "n": k} runs
-    one greedy call of k new tokens and is answered `RESULT {"seconds": s, "tokens": [...]}`.
-    bench.peers sends the requests, to every system in turn."""
+    one greedy call of k new tokens and is answered `RESULT {"seconds": s, "tokens": [...],
+    "first_token_s": f}` (f: null where the system does not say). bench.peers sends the
+    requests, to every system in turn."""
     for line in sys.stdin:
         request = json.loads(line)
         start = time.perf_counter()
-        tokens = generate(request["ids"], request["n"])
+        tokens, first = generate(request["ids"], request["n"])
         seconds = time.perf_counter() - start
-        print("RESULT " + json.dumps({"seconds": seconds, "tokens": tokens}), flush=True)
+        print("RESULT " + json.dumps({"seconds": seconds, "tokens": tokens,
+                                      "first_token_s": first}), flush=True)
 
 
 def main() -> None:

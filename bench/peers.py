@@ -212,15 +212,16 @@ class Peer:
                                             stderr=log, text=True, cwd=runner.parents[1])
         self.start_s = self._answer("READY ")["start_s"]
 
-    def call(self, ids: list[int], n: int) -> tuple[float, list[int]]:
-        """(seconds, greedy tokens) of one call of n new tokens after `ids`."""
+    def call(self, ids: list[int], n: int) -> tuple[float, list[int], float | None]:
+        """(seconds, greedy tokens, seconds to the first token or None where the system does not
+        say) of one call of n new tokens after `ids`."""
         if wait_until_quiet() >= QUIET_MAX_S:
             print(f"busy machine: {self.row['label']} was timed with the CPUs still busy after "
                   f"{QUIET_MAX_S:.0f} s of waiting; its figures share them", flush=True)
         self.process.stdin.write(json.dumps({"ids": ids, "n": n}) + "\n")
         self.process.stdin.flush()
         answer = self._answer("RESULT ")
-        return answer["seconds"], answer["tokens"]
+        return answer["seconds"], answer["tokens"], answer.get("first_token_s")
 
     def _answer(self, prefix: str) -> dict:
         for line in self.process.stdout:  # a system may print lines of its own
@@ -297,35 +298,46 @@ def interleaved(peers: list[Peer], inputs: dict, repeats: int) -> list[dict]:
     """Every row's timings, taken in turns: each round times every call of the protocol on
     every peer before the next round (the order of the peers rotating), so a slow minute of a
     shared machine falls on all of them, not on whichever ran then. Prefill = one call over the
-    whole prompt that returns the first token; decode = the call of n + 1 tokens less the call
-    of 1 (the time after the first token); each the best of `repeats` rounds, after one
-    untimed call of each (its tokens are the ones reported). A peer that fails is dropped,
-    and said so."""
+    whole prompt that returns the first token; decode = the time after the first token of a
+    call of n + 1 tokens: within that call where the system says when its first token came,
+    else that call less a call of 1 (two calls' prompt times, which can swing by more than a
+    long prompt's decode); each the best of `repeats` rounds, after one untimed call of each
+    (its tokens are the ones reported). A peer that fails is dropped, and said so."""
     ids, n = inputs["decode"], inputs["decode_tokens"]
     calls = {**{f"prefill {k}": (v, 1) for k, v in inputs["prefill"].items()},
              "decode first": (ids, 1), "decode whole": (ids, n + 1)}
     tokens: dict[Peer, dict] = {p: {} for p in peers}
-    best: dict[Peer, dict] = {p: dict.fromkeys(calls, float("inf")) for p in peers}
+    best: dict[Peer, dict] = {p: dict.fromkeys([*calls, "after first"], float("inf"))
+                              for p in peers}
     for r in range(-1, repeats):  # round -1: the untimed first calls
         for name, (prompt, new_tokens) in calls.items():
             for p in peers[r % len(peers):] + peers[:r % len(peers)] if peers else []:
                 try:
-                    seconds, out = p.call(prompt, new_tokens)
+                    seconds, out, first = p.call(prompt, new_tokens)
                 except RuntimeError as e:
                     print(f"FAILED {p.row['label']}: {e}", flush=True)
                     peers.remove(p)
                     continue
                 if r < 0:
                     tokens[p][name] = out
-                else:
-                    best[p][name] = min(best[p][name], seconds)
+                    continue
+                best[p][name] = min(best[p][name], seconds)
+                if name == "decode whole" and first is not None:
+                    best[p]["after first"] = min(best[p]["after first"], seconds - first)
     return [{**p.row, "start_s": p.start_s,
              "prefill_tok_s": {k: len(v) / best[p][f"prefill {k}"]
                                for k, v in inputs["prefill"].items()},
              "first_tokens": {k: tokens[p][f"prefill {k}"] for k in inputs["prefill"]},
-             "decode_tokens": tokens[p]["decode whole"],
-             "decode_tok_s": n / max(best[p]["decode whole"] - best[p]["decode first"], 1e-9)}
+             "decode_tokens": tokens[p]["decode whole"], **decode_rate(best[p], n)}
             for p in peers]
+
+
+def decode_rate(best: dict[str, float], n: int) -> dict:
+    """A row's decode tokens/s from its best timings, and how they were taken."""
+    if best["after first"] < float("inf"):
+        return {"decode_tok_s": n / max(best["after first"], 1e-9), "decode_timed": "in the call"}
+    return {"decode_tok_s": n / max(best["decode whole"] - best["decode first"], 1e-9),
+            "decode_timed": "two calls' difference"}
 
 
 def dtype_groups(rows: list[dict]) -> list[list[dict]]:
@@ -399,8 +411,12 @@ def report(results: list[dict], lengths: list[int]) -> None:
                 f"/{len(reference['decode_tokens'])}")
         rows.append([r["label"], r["dtype"],
                      *(f"{r['prefill_tok_s'][str(n)]:.0f}" for n in lengths),
-                     f"{r['decode_tok_s']:.1f}", f"{r['start_s']:.0f}", same])
-    print_table("tokens/s (prefill: one call over the prompt; decode: after the first token)",
+                     f"{r['decode_tok_s']:.1f}" + ("" if r["decode_timed"] == "in the call"
+                                                   else " *"),
+                     f"{r['start_s']:.0f}", same])
+    print_table("tokens/s (prefill: one call over the prompt; decode: after the first token, "
+                "* as two calls' difference where the system does not say when its first "
+                "token came)",
                 ["system", "dtype", *(f"prefill {n}" for n in lengths), "decode", "start s",
                  "tokens = engine fp32"], rows)
 

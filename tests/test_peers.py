@@ -36,9 +36,21 @@ def test_engine_and_transformers_rows_agree_and_a_missing_peer_is_named(tmp_path
     assert engine["first_tokens"] == hf["first_tokens"]
     assert len(engine["decode_tokens"]) == 5 and engine["decode_tokens"] == hf["decode_tokens"]
     assert all(r["prefill_tok_s"]["16"] > 0 and r["decode_tok_s"] > 0 for r in rows)
+    # both say when their first token came: decode is timed within the call
+    assert [r["decode_timed"] for r in rows] == ["in the call"] * 2
     assert "skipped vLLM CPU: no venv" in done.stdout
     assert "bash scripts/setup_peers.sh vllm" in done.stdout
     assert done.stdout.count("skipped llama.cpp") == 3  # f32 with and without flash-attn, Q4_1
+
+
+def test_decode_is_the_time_after_the_first_token_within_a_call_where_a_system_says_it():
+    """64 tokens after the first, 0.5 s of them within the call: 128 tok/s; a system that does
+    not say when its first token came: the call of 65 tokens less the call of 1."""
+    within = {"after first": 0.5, "decode whole": 9.0, "decode first": 1.0}
+    assert peers.decode_rate(within, 64) == {"decode_tok_s": 128.0, "decode_timed": "in the call"}
+    apart = {"after first": float("inf"), "decode whole": 2.5, "decode first": 2.0}
+    assert peers.decode_rate(apart, 64) == {"decode_tok_s": 128.0,
+                                            "decode_timed": "two calls' difference"}
 
 
 def test_the_engine_at_another_revision_runs_from_its_own_checkout(tmp_path, tiny_model_dir,
