@@ -1,8 +1,9 @@
 """One system for bench.peers, in a process of its own (run by the peer's interpreter: this file
 imports only what that system needs). It builds the system, prints `READY {"start_s": ...}`, then
 times the greedy calls bench.peers sends on stdin, one at a time (`serve`), each with the time to
-its first token where the system gives it (the engine's, llama.cpp's and transformers' calls do;
-vLLM's offline `generate` returns only when it ends).
+its first token (each system's tokens are read as they come: the engine's request notes it,
+llama.cpp's generator yields them, vLLM's engine steps return them, a streamer takes
+transformers').
 
     <python> bench/peer_run.py --system vllm --model DIR --dtype float32 --threads 2
 
@@ -12,6 +13,7 @@ prompt; bench.peers says what is timed.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import time
@@ -42,14 +44,26 @@ def engine(model: str, dtype: str, threads: int, settings: dict) -> Generate:
 def vllm(model: str, dtype: str, threads: int, settings: dict) -> Generate:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
 
     llm = LLM(model=model, dtype=dtype, max_model_len=4096, enable_prefix_caching=False,
               max_num_batched_tokens=4096, seed=0, **settings)
+    engine, calls = llm.llm_engine, itertools.count()
 
-    def generate(ids: list[int], n: int) -> tuple[list[int], None]:
-        params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-        [out] = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
-        return list(out.outputs[0].token_ids), None
+    def generate(ids: list[int], n: int) -> tuple[list[int], float | None]:
+        # the engine's steps as LLM.generate runs them, each step's new tokens returned as it
+        # ends (DELTA), so the first one's time is seen
+        start = time.perf_counter()
+        params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True,
+                                output_kind=RequestOutputKind.DELTA)
+        engine.add_request(str(next(calls)), TokensPrompt(prompt_token_ids=ids), params)
+        tokens, first = [], None
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.outputs[0].token_ids and first is None:
+                    first = time.perf_counter() - start
+                tokens += out.outputs[0].token_ids
+        return tokens, first
     return generate
 
 

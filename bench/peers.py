@@ -299,10 +299,11 @@ def interleaved(peers: list[Peer], inputs: dict, repeats: int) -> list[dict]:
     every peer before the next round (the order of the peers rotating), so a slow minute of a
     shared machine falls on all of them, not on whichever ran then. Prefill = one call over the
     whole prompt that returns the first token; decode = the time after the first token of a
-    call of n + 1 tokens: within that call where the system says when its first token came,
-    else that call less a call of 1 (two calls' prompt times, which can swing by more than a
-    long prompt's decode); each the best of `repeats` rounds, after one untimed call of each
-    (its tokens are the ones reported). A peer that fails is dropped, and said so."""
+    call of n + 1 tokens, within that call (peer_run says when each system's first token came;
+    a runner of an older revision does not, and its row takes that call less a call of 1,
+    whose two prompt times can differ by more than a long prompt's decode takes); each the
+    best of `repeats` rounds, after one untimed call of each (its tokens are the ones
+    reported). A peer that fails is dropped, and said so."""
     ids, n = inputs["decode"], inputs["decode_tokens"]
     calls = {**{f"prefill {k}": (v, 1) for k, v in inputs["prefill"].items()},
              "decode first": (ids, 1), "decode whole": (ids, n + 1)}
@@ -414,9 +415,9 @@ def report(results: list[dict], lengths: list[int]) -> None:
                      f"{r['decode_tok_s']:.1f}" + ("" if r["decode_timed"] == "in the call"
                                                    else " *"),
                      f"{r['start_s']:.0f}", same])
-    print_table("tokens/s (prefill: one call over the prompt; decode: after the first token, "
-                "* as two calls' difference where the system does not say when its first "
-                "token came)",
+    print_table("tokens/s (prefill: one call over the prompt; decode: after the first token "
+                "within the call; *: two calls' difference, from a runner that does not say when "
+                "its first token came)",
                 ["system", "dtype", *(f"prefill {n}" for n in lengths), "decode", "start s",
                  "tokens = engine fp32"], rows)
 
