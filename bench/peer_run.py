@@ -56,10 +56,11 @@ def vllm(model: str, dtype: str, threads: int, settings: dict) -> Generate:
         start = time.perf_counter()
         params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True,
                                 output_kind=RequestOutputKind.DELTA)
-        engine.add_request(str(next(calls)), TokensPrompt(prompt_token_ids=ids), params)
+        request = str(next(calls))
+        engine.add_request(request, TokensPrompt(prompt_token_ids=ids), params)
         tokens, first = [], None
         while engine.has_unfinished_requests():
-            for out in engine.step():
+            for out in (o for o in engine.step() if o.request_id == request):
                 if out.outputs[0].token_ids and first is None:
                     first = time.perf_counter() - start
                 tokens += out.outputs[0].token_ids
