@@ -47,7 +47,8 @@ def test_decode_is_the_time_after_the_first_token_within_a_call_where_a_system_s
     """64 tokens after the first, 0.5 s of them within the call: 128 tok/s; a system that does
     not say when its first token came: the call of 65 tokens less the call of 1."""
     within = {"after first": 0.5, "decode whole": 9.0, "decode first": 1.0}
-    assert peers.decode_rate(within, 64) == {"decode_tok_s": 128.0, "decode_timed": "in the call"}
+    assert peers.decode_rate(within, 64) == {"decode_tok_s": 128.0, "decode_timed": "in the call",
+                                             "decode_by_difference_tok_s": 8.0}
     apart = {"after first": float("inf"), "decode whole": 2.5, "decode first": 2.0}
     assert peers.decode_rate(apart, 64) == {"decode_tok_s": 128.0,
                                             "decode_timed": "two calls' difference"}
