@@ -34,6 +34,9 @@ class EngineConfig:
     socket_ifname: str | None = None  # network interface for gloo/NCCL between nodes
     cpus_per_rank: float = 1.0  # Ray logical CPUs one rank actor asks for (fractions share cores)
     overlap_comm: bool = False  # two micro-batches a step: one's all-reduce behind the other
+    # CPU ranks of one group on one machine sum through shared memory (parallel/shared_memory.py)
+    # where it works there; False: torch.distributed's (gloo's) all-reduce
+    shared_memory_all_reduce: bool = True
     cp: int = 1  # context-parallel ranks per replica: a replica is tp x cp rank actors
     routing: str = "prefix_affinity"  # dp > 1: which replica takes a request (see ROUTINGS)
     # engine.*
@@ -90,7 +93,8 @@ class EngineConfig:
                 _positive_int(name, getattr(self, name), "None (the default) or ")
         for name in ("init_timeout_s", "step_timeout_s", "collective_timeout_s"):
             _positive_number(name, getattr(self, name), "seconds")
-        for name in ("retry_on_rank_failure", "enable_prefix_caching", "overlap_comm"):
+        for name in ("retry_on_rank_failure", "enable_prefix_caching", "overlap_comm",
+                     "shared_memory_all_reduce"):
             _require(isinstance(getattr(self, name), bool),
                      f"{name}={getattr(self, name)!r}: use True or False")
         _require(self.compile is None or isinstance(self.compile, bool),

@@ -60,6 +60,7 @@ class EnginePlan:
     # eagerly after the warm-up, each kind run the faster way (Worker._timed_graph_kinds)
     time_graph_steps: bool = False
     weights: str | None = None  # "int8" | "int4" | "gguf": quantized projections (quantized.py)
+    shared_memory_all_reduce: bool = True  # CPU ranks on one machine sum through shared memory
 
     @property
     def on_cuda(self) -> bool:
@@ -93,6 +94,7 @@ class RankInfo:
     kernels: list[str]  # the CPU kernels timed and picked per shape (engine.rank.kernel_choice)
     kernel_choice_s: float  # start-up seconds spent timing them (~0 when kept on disk)
     huge_page_bytes: int  # of the weights, moved onto transparent huge pages (CPU; host_memory)
+    all_reduce: str  # how the layers' all-reduce runs here (TensorGroup.all_reduce_kind)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -151,6 +153,7 @@ def make_plan(cfg: EngineConfig, source: str, mc: ModelConfig) -> EnginePlan:
                       overlap_comm=cfg.overlap_comm, cp=cfg.cp,
                       decode_dtype=DTYPES.get(cfg.decode_dtype),
                       max_num_batched_tokens=cfg.max_num_batched_tokens, weights=cfg.weights,
+                      shared_memory_all_reduce=cfg.shared_memory_all_reduce,
                       measure_kernels=cfg.kernel_choice == "measure" and cfg.device == "cpu",
                       time_graph_steps=(compiles(cfg) and cfg.kernel_choice == "measure"
                                         and cfg.tp == cfg.cp == 1))

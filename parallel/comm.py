@@ -10,6 +10,11 @@ import torch
 import torch.distributed as dist
 
 from parallel import graph_op
+from parallel.shared_memory import SharedMemoryCollectives
+
+# the bound on one collective the process group was made with (init_process_group), which the
+# shared-memory sums keep too
+_collective_timeout_s = 60.0
 
 
 def backend_for(device: str) -> str:
@@ -25,8 +30,10 @@ def free_port(host: str = "127.0.0.1") -> int:
 def init_process_group(master_addr: str, master_port: int, rank: int, world_size: int,
                        backend: str, timeout_s: float) -> None:
     """Join the group and prove it works with one warm-up all-reduce before any weights load."""
+    global _collective_timeout_s
     if dist.is_initialized():
         raise RuntimeError("this process already belongs to a torch.distributed group")
+    _collective_timeout_s = timeout_s
     dist.init_process_group(
         backend=backend,
         init_method=f"tcp://{master_addr}:{master_port}",
@@ -109,6 +116,29 @@ class TensorGroup:
         # the name a compiled graph's all-reduce finds this group by; registered here, never
         # inside a traced forward (dynamo cannot trace writing the registry)
         self.name = _register(self) if self.world_size() > 1 else ""
+        self._shared: SharedMemoryCollectives | None = None
+        self._not_shared = ""  # why share_memory() kept torch.distributed's all-reduce
+
+    def share_memory(self) -> None:
+        """Collective over the group: CPU tensors are summed and gathered through memory the
+        ranks share (parallel.shared_memory) where they can map it, else as before, by
+        torch.distributed. Every rank of the group calls it, or none."""
+        if self.world_size() > 1:
+            self._shared, self._not_shared = SharedMemoryCollectives.attach(self.group,
+                                                                    _collective_timeout_s)
+
+    def all_reduce_kind(self) -> str:
+        """How `all_reduce` sums this rank's tensors, for rank_info."""
+        if self.world_size() == 1:
+            return "none (one rank)"
+        backend = dist.get_backend(self.group)
+        if self._shared is not None:
+            return f"shared memory (CPU tensors; {backend} otherwise)"
+        return backend + (f" (no shared memory: {self._not_shared})" if self._not_shared else "")
+
+    def _shares(self, x: torch.Tensor) -> bool:
+        return (self._shared is not None and x.device.type == "cpu"
+                and (x.dtype.is_floating_point or x.dtype in _INTEGERS) and not x.is_complex())
 
     def world_size(self) -> int:
         return dist.get_world_size(self.group) if dist.is_initialized() else 1
@@ -120,7 +150,10 @@ class TensorGroup:
         """Sum over ranks, in place. A no-op for a world of one."""
         if self.world_size() > 1:
             start, event = time.perf_counter(), device_event(x)
-            dist.all_reduce(x, group=self.group)
+            if self._shares(x):
+                self._shared.all_reduce(x)
+            else:
+                dist.all_reduce(x, group=self.group)
             self._add_blocking(start, event, x)
         return x
 
@@ -144,7 +177,10 @@ class TensorGroup:
         if self.world_size() == 1:
             return PendingAllReduce(x, None, 0.0, self.clock)
         start, event = time.perf_counter(), device_event(x)
-        work = dist.all_reduce(x, group=self.group, async_op=True)
+        if self._shares(x):
+            work = SharedWork(self._shared, x)
+        else:
+            work = dist.all_reduce(x, group=self.group, async_op=True)
         return PendingAllReduce(x, work, start, self.clock, event)
 
     def gather_last_dim(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor | None:
@@ -156,9 +192,12 @@ class TensorGroup:
         width = max(sizes)
         padded = torch.nn.functional.pad(x, (0, width - x.shape[-1])).contiguous()
         first = self.rank() == 0
-        parts = [torch.empty_like(padded) for _ in sizes] if first else None
         start, event = time.perf_counter(), device_event(padded)
-        dist.gather(padded, parts, group=self.group, group_dst=0)
+        if self._shares(padded):
+            parts = self._shared.gather_to_first(padded)
+        else:
+            parts = [torch.empty_like(padded) for _ in sizes] if first else None
+            dist.gather(padded, parts, group=self.group, group_dst=0)
         self._add_blocking(start, event, padded)
         if not first:
             return None
@@ -184,6 +223,26 @@ all_reduce_copy = graph_op.define("all_reduce(Tensor x, str group) -> Tensor", _
                                   lambda x, group: torch.empty_like(x))
 
 
+_INTEGERS = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
+
+
+class SharedWork:
+    """A shared-memory sum begun by `TensorGroup.all_reduce_async`: x is copied in at once where
+    it fits one slot (the other ranks need not wait for this one), summed at `wait()`."""
+
+    def __init__(self, shared: SharedMemoryCollectives, x: torch.Tensor):
+        self._shared, self._x = shared, x
+        self._started = shared.start(x)
+        self.done_at: float | None = None
+
+    def wait(self) -> None:
+        if self._started:  # a later call may have summed it already
+            self._shared.finish_pending()
+        else:
+            self._shared.all_reduce(self._x)
+        self.done_at = time.perf_counter()
+
+
 class PendingAllReduce:
     """An all-reduce in flight; `wait()` returns the summed tensor (the same storage)."""
 
@@ -192,7 +251,7 @@ class PendingAllReduce:
         self.x, self._work, self._start, self._start_event = x, work, start, start_event
         self._clock = clock
         self._done_at: float | None = None
-        if work is not None and start_event is None:
+        if work is not None and start_event is None and not isinstance(work, SharedWork):
             # the completion time, taken on the communication thread, measures the flight
             work.get_future().then(self._mark_done)
 

@@ -81,6 +81,7 @@ class Setup:
         rand = lambda *shape, s=1.0: (torch.randn(*shape, generator=gen) * s).to(dtype)
         self.dtype = dtype
         self.x = rand(rows, D)
+        self.first_layer = 0  # the cache's layer of self.layers[0]
         self.layers = [Layer(kind, rand, bias) for _ in range(LAYERS)]
         angles = torch.outer(torch.arange(64.0), 1.0 / 10000 ** (torch.arange(0, HD, 2) / HD))
         self.cos, self.sin = angles.cos(), angles.sin()
@@ -93,15 +94,32 @@ class Setup:
                       for t, n in zip(self.table, self.lens)]
 
     def run(self, positions: list[int] | None = None):
+        """Every layer in one call: (the output, the residual)."""
+        residual = torch.zeros_like(self.x)
+        out = self._call(self.x, residual, self.layers, self.first_layer, 0,
+                         2 * len(self.layers), positions)
+        return out, residual
+
+    def run_by_parts(self):
+        """As a rank of tp > 1 calls it: a call per part (a layer's attention, its MLP), each
+        given only its layer's tensors."""
+        x, residual = self.x, torch.zeros_like(self.x)
+        for part in range(2 * len(self.layers)):
+            x = self._call(x, residual, self.layers[part // 2:part // 2 + 1], part // 2,
+                           part % 2, 1)
+        return x, residual
+
+    def _call(self, x, residual, layers, first_layer, first_part, parts, positions=None):
         as_int = lambda v: torch.tensor(v, dtype=torch.int32)
-        norms = [n for layer in self.layers for n in layer.norms]
-        weights = [t for layer in self.layers
+        norms = [n for layer in layers for n in layer.norms]
+        weights = [t for layer in layers
                    for w in (layer.qkv, layer.o, layer.gate_up, layer.down) for t in _pair(w)]
-        biases = [b for layer in self.layers for b in layer.biases]
+        biases = [b for layer in layers for b in layer.biases]
         positions = [n - 1 for n in self.lens] if positions is None else positions
         return qr.quantized_decode_layers(
-            self.x, norms, EPS, weights, biases, self.cos, self.sin, as_int(positions),
-            self.cache, as_int(self.slots), as_int(self.table), as_int(self.lens), HQ, HD ** -0.5)
+            x, residual, norms, EPS, weights, biases, self.cos, self.sin, as_int(positions),
+            self.cache, as_int(self.slots), as_int(self.table), as_int(self.lens), HQ, HD ** -0.5,
+            first_layer, first_part, parts)
 
     def want(self, cache_before: torch.Tensor):
         """(the last layer's output, its residual, each layer's rotated new K and V [rows, HKV,
@@ -167,6 +185,24 @@ def test_layers_match_float64(kind, dtype, rows):
     assert torch.equal(flat[:, :, untouched], flat_before[:, :, untouched])
 
 
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_call_per_part_matches_float64_and_the_one_call(kind, dtype):
+    """A rank of tp > 1 calls each layer's attention and MLP apart (the sum over ranks goes
+    between): the same float64 bound, the same values as one call, the same cache."""
+    setup = Setup(kind, dtype, 3, bias=True)
+    before = setup.cache.clone()
+    out, residual = setup.run_by_parts()
+    want, want_residual, _ = setup.want(before)
+    _close(out, want, dtype, kind)
+    _close(residual, want_residual, dtype, kind)
+    by_parts_cache = setup.cache.clone()
+    setup.cache.copy_(before)
+    whole, whole_residual = setup.run()
+    assert torch.equal(out, whole) and torch.equal(residual, whole_residual)
+    assert torch.equal(by_parts_cache, setup.cache)
+
+
 def test_refusals_name_the_problem():
     setup = Setup("int4", torch.float32, 2, bias=False)
     layer = setup.layers[1]
@@ -186,8 +222,8 @@ def test_refusals_name_the_problem():
         setup.run()
     assert torch.equal(setup.cache, before)  # nothing written
     setup.slots[1] = 0
-    setup.layers.pop()  # one layer's tensors for a cache of two
-    with pytest.raises(ValueError, match="one layer for each of the 1"):
+    setup.first_layer = 1  # two layers' tensors from the cache's second, of two
+    with pytest.raises(ValueError, match=r"holding the listed layers \[1, 3\)"):
         setup.run()
 
 
@@ -228,3 +264,67 @@ def test_an_engines_rows_do_not_depend_on_their_batch(tiny_model_dir, monkeypatc
         assert "quantized-decode-layers: one C++ call a step" in llm.rank_info()[0].kernels
         alone = [llm.generate([p], params)[0].token_ids for p in prompts]
         assert [o.token_ids for o in llm.generate(prompts, params)] == alone
+
+
+# a prompt step of two sequences, then decode steps at three lengths (tests/fake_cuda_run.py)
+WORKER_STEPS = [(37, 0, 2), (1, 37, 2), (1, 140, 3), (1, 5, 1)]
+
+
+def _worker_logits(model_dir: str, cache: str, rank: int, world: int, shared: bool,
+                   kernel_choice: str) -> tuple:
+    """A rank's Worker (int8 weights; "measure": the C++ row products certain to be picked),
+    run through WORKER_STEPS: (each step's logits on rank 0, what its rank_info says)."""
+    from engine.config import EngineConfig
+    from engine.loading.checkpoint import open_checkpoint
+    from engine.plan import make_plan
+    from engine.rank.worker import Worker
+    from tests.fake_cuda_run import make_batch
+
+    certain_row_timings(pytest.MonkeyPatch(), cache)
+    cfg = EngineConfig.from_kwargs(model=model_dir, tp=world, weights="int8", block_size=16,
+                                   max_model_len=256, compile=False, kernel_choice=kernel_choice,
+                                   shared_memory_all_reduce=shared)
+    ckpt = open_checkpoint(model_dir)
+    worker = Worker(make_plan(cfg, model_dir, ckpt.config), rank=rank, world_size=world,
+                    checkpoint=ckpt)
+    logits = []
+    for steps in WORKER_STEPS:
+        batch = make_batch(*steps)
+        batch.return_logits = True
+        result = worker.execute(batch)  # rank 0's; None on the others
+        logits.append(result.logits if result is not None else None)
+    info = worker.info()
+    return logits, (info.all_reduce, [k for k in info.kernels if k.startswith("quantized-")])
+
+
+def _tp2_ranks(rank: int, world: int, model_dir: str, cache: str, shared: bool,
+               kernel_choice: str, out: str) -> None:
+    torch.save(_worker_logits(model_dir, cache, rank, world, shared, kernel_choice),
+               f"{out}.{rank}")
+
+
+def test_tensor_parallel_ranks_run_the_layers_a_part_at_a_time(tiny_model_dir, tmp_path):
+    """With tp=2 each rank's decode steps run the C++ layers a part (a layer's attention, its
+    MLP) per call, the sum over the ranks between, through shared memory or gloo: every step's
+    logits those of the ranks' eager layers with torch's products (kernel_choice="fixed"), to
+    float32 rounding; both ways sum two ranks' rows as a + b, so their logits are the same.
+    (Not against one rank: int8's per-channel scales of a row-parallel weight are each rank's.)"""
+    from tests.process_group import run_in_group
+
+    path, runs = str(tiny_model_dir("llama")), {}
+    parts = "quantized-decode-layers: a C++ call per layer part, all-reduced between"
+    for shared, choice, said in (
+            (True, "fixed", ("shared memory (CPU tensors; gloo otherwise)", [
+                "quantized-decode-layers: off (the C++ row products were not timed for every "
+                "projection (kernel_choice='fixed'))"])),
+            (True, "measure", ("shared memory (CPU tensors; gloo otherwise)", [parts])),
+            (False, "measure", ("gloo", [parts]))):
+        out = tmp_path / f"{shared}-{choice}"
+        run_in_group(2, _tp2_ranks, path, str(tmp_path / "cache"), shared, choice, str(out))
+        runs[shared, choice], said_by_0 = torch.load(f"{out}.0")
+        assert torch.load(f"{out}.1")[1] == said_by_0 == said
+    for step, (got, want) in enumerate(zip(runs[True, "measure"], runs[True, "fixed"])):
+        assert got is not None and want is not None
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5,
+                                   msg=lambda m: f"step {step}: {m}")
+    assert all(torch.equal(a, b) for a, b in zip(runs[True, "measure"], runs[False, "measure"]))

@@ -293,8 +293,8 @@ def test_an_engine_where_they_win_runs_them_and_keeps_the_tokens(tiny_model_dir,
             outputs, called = op_calls(llm, lambda: llm.generate([prompt], params), set(names))
             tokens[choice] = list(outputs[0].token_ids)
             # (kind, outputs) of a row product (its codes are its second input); ("layers",
-            # layers) of the layers' call (its KV cache, the ninth input, has every layer's)
-            calls = [("layers", shapes[8][1]) if name.endswith("layers")
+            # layers) of the layers' call (its KV cache, the tenth input, has every layer's)
+            calls = [("layers", shapes[9][1]) if name.endswith("layers")
                      else (names[name], shapes[1][0]) for name, shapes in called]
             if choice == "fixed":
                 assert calls == []

@@ -11,8 +11,9 @@ bf16 (AVX512-BF16 EPYC, `.venv/bin/python -m bench.peers --systems engine engine
 session 51). The layers run the C++ products where KernelChoice timed them faster than torch's
 for a layer's projections together, and the fused decode attention; where either is missing,
 decode steps run as before. Rows go through the products 4 at a time, so a step of any number of
-sequences takes this path. One rank only: with tp > 1 each half of a layer ends in an
-all-reduce, so such ranks decode as before.
+sequences takes this path. With tp > 1 each part of a layer (its attention, its MLP) ends in an
+all-reduce: such ranks make a call per part, the sum over ranks between calls (one call took a
+tp=2 rank's 4-bit decode step from ~20 to ~N ms on the AVX512-BF16 EPYC, one thread a rank).
 
 Roundings follow the eager layer's (engine.rank.ops): the residual sums, the normalised rows and
 their products with the norms' weights, RoPE's float32 result, SiLU(gate) and its product with up
@@ -42,8 +43,6 @@ def unfit_reason(model: nn.Module, seconds: dict[tuple[str, tuple[int, int]], di
     The call runs the C++ products for all of a layer's projections, so it is taken where they
     timed faster together than torch's: a shape picked apart by a few percent either way (the
     SmolLM2 gate/up's was, from run to run) must not turn it off."""
-    if model.tp.world_size() > 1:
-        return "tp > 1"
     layer = model.layers[0]
     attn, mlp = layer.self_attn, layer.mlp
     projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
@@ -74,25 +73,46 @@ class QuantizedDecode:
 
     def __init__(self, model: nn.Module):
         self.model = model
+        attn = model.layers[0].self_attn
+        self._heads = (attn.qkv_proj.q_size // attn.head_dim, attn.attn.scale)
+        # the op's lists for every layer (one rank) and for each layer alone (tp > 1, a call per
+        # part: converting 30 layers' 360 tensors at each of 60 calls took more than the parts)
+        self._all = self._lists(model.layers)
+        self._each = [self._lists([layer]) for layer in model.layers]
+
+    @staticmethod
+    def _lists(layers) -> tuple:
+        """(norms, eps, weights, biases) for these layers, as the op takes them."""
         norms, weights, biases = [], [], []
-        for layer in model.layers:
+        for layer in layers:
             attn, mlp = layer.self_attn, layer.mlp
             norms += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
             for proj in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj):
                 weights += _pair(proj.weight)
             biases += [attn.qkv_proj.bias, mlp.gate_up_proj.bias]
-        attn = model.layers[0].self_attn
-        self._weights = (norms, model.layers[0].input_layernorm.eps, weights, biases,
-                         attn.rotary_emb.cos, attn.rotary_emb.sin)
-        self._heads = (attn.qkv_proj.q_size // attn.head_dim, attn.attn.scale)
+        return norms, layers[0].input_layernorm.eps, weights, biases
 
     @torch.inference_mode()
     def logits(self, ctx: StepContext) -> torch.Tensor:
         """This rank's logits slice of every row, before the gather."""
         meta, model = ctx.meta, self.model
-        x, residual = quantized_rows.quantized_decode_layers(
-            model.embed_tokens(ctx.token_ids), *self._weights, ctx.positions, ctx.cache.data,
-            meta.slot_mapping, meta.block_table, meta.context_lens, *self._heads)
+        rotary = model.layers[0].self_attn.rotary_emb
+        x = model.embed_tokens(ctx.token_ids)
+        residual = torch.zeros_like(x)
+
+        def run(x: torch.Tensor, lists: tuple, first_layer: int, first_part: int,
+                parts: int) -> torch.Tensor:
+            return quantized_rows.quantized_decode_layers(
+                x, residual, *lists, rotary.cos, rotary.sin, ctx.positions, ctx.cache.data,
+                meta.slot_mapping, meta.block_table, meta.context_lens, *self._heads,
+                first_layer, first_part, parts)
+
+        if model.tp.world_size() == 1:
+            x = run(x, self._all, 0, 0, 2 * len(self._each))
+        else:  # each part's output summed over the ranks before the next part reads it
+            for layer, lists in enumerate(self._each):
+                for part in (0, 1):
+                    x = model.tp.all_reduce(run(x, lists, layer, part, 1))
         x, _ = model.norm(x, residual)
         # the LM head KERNEL_ROWS rows at a time, as its C++ kernel takes them (more rows would
         # take torch's kernel, whose other roundings would make a row's token depend on how

@@ -454,6 +454,7 @@ struct Layer {
 // The step's shapes and tensors besides the layers' own
 struct Step {
   const at::Tensor &cos, &sin, &positions, &cache, &slots, &table, &lens;
+  int64_t first_layer;  // the cache's layer of the op's first listed layer
   int64_t rows, d, q_heads, hkv, head_dim;
   float eps;
   double scale;
@@ -494,11 +495,20 @@ struct Buffers {
   at::Tensor hidden, residual, normed, qkv, o, gate_up, act;
 };
 
-// One layer, from x (the op's input for the first, the hidden rows after): the residual updated
-// in place, the layer's output into the hidden rows
+// Layer i's tensors out of the op's lists
+Layer layer_at(at::TensorList norms, at::TensorList weights,
+               const c10::List<std::optional<at::Tensor>>& biases, int64_t i) {
+  const at::Tensor* w = weights.data() + 8 * i;
+  return Layer{norms[2 * i], norms[2 * i + 1], w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7],
+               biases.get(2 * i), biases.get(2 * i + 1)};
+}
+
+// A layer's attention part, from x (the op's input, or the previous part's output): the residual
+// updated in place, the O product's output into b.o
 template <typename T>
-void layer_of(const Layer& l, const Step& s, int64_t index, const at::Tensor& x, Buffers& b) {
-  const int64_t rows = s.rows, d = s.d, width = l.qkv.size(0), ffn = l.gate_up.size(0) / 2;
+void attention_part(const Layer& l, const Step& s, int64_t index, const at::Tensor& x,
+                    Buffers& b) {
+  const int64_t rows = s.rows, d = s.d, width = l.qkv.size(0);
   const int threads = at::get_num_threads();
   add_norm(elems<T>(x), elems_mut<T>(b.residual), elems<T>(l.input_norm), s.eps, rows, d,
            elems_mut<T>(b.normed));
@@ -514,7 +524,15 @@ void layer_of(const Layer& l, const Step& s, int64_t index, const at::Tensor& x,
              s.scale);
   project(elems<T>(attended), rows, s.q_heads * s.head_dim, l.o, l.o_scales, elems_mut<T>(b.o),
           threads);
-  add_norm(elems<T>(b.o), elems_mut<T>(b.residual), elems<T>(l.post_norm), s.eps, rows, d,
+}
+
+// A layer's MLP part, from x (the O product's output, or its sum over ranks): the residual
+// updated in place, the down product's output into b.hidden
+template <typename T>
+void mlp_part(const Layer& l, const Step& s, const at::Tensor& x, Buffers& b) {
+  const int64_t rows = s.rows, d = s.d, ffn = l.gate_up.size(0) / 2;
+  const int threads = at::get_num_threads();
+  add_norm(elems<T>(x), elems_mut<T>(b.residual), elems<T>(l.post_norm), s.eps, rows, d,
            elems_mut<T>(b.normed));
   project(elems<T>(b.normed), rows, d, l.gate_up, l.gate_up_scales, elems_mut<T>(b.gate_up),
           threads);
@@ -524,16 +542,23 @@ void layer_of(const Layer& l, const Step& s, int64_t index, const at::Tensor& x,
   project(elems<T>(b.act), rows, ffn, l.down, l.down_scales, elems_mut<T>(b.hidden), threads);
 }
 
-// Layer i's tensors out of the op's lists
-Layer layer_at(at::TensorList norms, at::TensorList weights,
-               const c10::List<std::optional<at::Tensor>>& biases, int64_t i) {
-  const at::Tensor* w = weights.data() + 8 * i;
-  return Layer{norms[2 * i], norms[2 * i + 1], w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7],
-               biases.get(2 * i), biases.get(2 * i + 1)};
+// Parts [first, last) (part 2i: layer i's attention, 2i + 1: its MLP), each from the one before
+template <typename T>
+void run_parts(at::TensorList norms, at::TensorList weights,
+               const c10::List<std::optional<at::Tensor>>& biases, const Step& s,
+               const at::Tensor& x, int64_t first, int64_t last, Buffers& b) {
+  for (int64_t part = first; part < last; ++part) {
+    const Layer l = layer_at(norms, weights, biases, part / 2);
+    if (part % 2 == 0)
+      attention_part<T>(l, s, s.first_layer + part / 2, part == first ? x : b.hidden, b);
+    else
+      mlp_part<T>(l, s, part == first ? x : b.o, b);
+  }
 }
 
 void check_step(const at::Tensor& x, const Step& s, int64_t layers, int64_t norms,
                 int64_t weights, int64_t biases) {
+  const int64_t end = s.first_layer + layers;
   const auto dtype = x.scalar_type();
   TORCH_CHECK_VALUE(x.dim() == 2 && x.is_contiguous() &&
                         (dtype == at::kFloat || dtype == at::kBFloat16),
@@ -544,10 +569,11 @@ void check_step(const at::Tensor& x, const Step& s, int64_t layers, int64_t norm
                     "quantized decode layers: per layer 2 norms, 8 weight tensors and 2 biases; "
                     "got ", norms, ", ", weights, " and ", biases, " for ", layers, " layers");
   TORCH_CHECK_VALUE(s.cache.dim() == 6 && s.cache.scalar_type() == dtype && s.q_heads > 0 &&
-                        s.q_heads % s.hkv == 0 && s.head_dim % 2 == 0 && s.cache.size(1) == layers,
+                        s.q_heads % s.hkv == 0 && s.head_dim % 2 == 0 && s.first_layer >= 0 &&
+                        s.cache.size(1) >= end,
                     "quantized decode layers: a KV cache [2, layers, blocks, block, kv heads, d] "
-                    "of the activations' dtype, one layer for each of the ", layers,
-                    ", and whole query groups per KV head; got ", s.cache.sizes(), " ",
+                    "of the activations' dtype holding the listed layers [", s.first_layer, ", ",
+                    end, "), and whole query groups per KV head; got ", s.cache.sizes(), " ",
                     s.cache.scalar_type(), " for ", s.q_heads, " query heads");
   TORCH_CHECK_VALUE(s.cos.scalar_type() == at::kFloat && s.sin.scalar_type() == at::kFloat &&
                         s.cos.is_contiguous() && s.sin.is_contiguous() && s.cos.dim() == 2 &&
@@ -563,45 +589,58 @@ void check_step(const at::Tensor& x, const Step& s, int64_t layers, int64_t norm
                       s.cos.size(0));
 }
 
-// prefill::quantized_decode_layers: every layer of a decode step, from the embedded rows x [rows,
-// d]; layer i's tensors are norms[2i : 2i + 2] (input, post-attention), weights[8i : 8i + 8]
-// (qkv, o, gate/up and down, each as its two tensors) and biases[2i : 2i + 2] (qkv's, gate/up's,
-// or None). Each layer: RMSNorm, the QKV product (+ bias), RoPE, the new K/V stored and each
-// row's attention over the cache, the O product, RMSNorm of it plus the residual, the gate/up
-// product (+ bias), SiLU·mul, the down product. Returns (the last layer's output, its residual).
-std::tuple<at::Tensor, at::Tensor> decode_layers(
-    const at::Tensor& x, at::TensorList norms, double eps, at::TensorList weights,
-    const c10::List<std::optional<at::Tensor>>& biases, const at::Tensor& cos,
-    const at::Tensor& sin, const at::Tensor& positions, const at::Tensor& cache,
-    const at::Tensor& slots, const at::Tensor& table, const at::Tensor& lens, int64_t q_heads,
-    double scale) {
+// prefill::quantized_decode_layers: parts [first_part, first_part + parts) of the listed layers of
+// a decode step (part 2i: listed layer i's attention, 2i + 1: its MLP; listed layer i is the
+// cache's layer first_layer + i), from x [rows, d], the embedded rows or
+// the part before's output (summed over ranks, with tp > 1), and the residual (zeros before the
+// first layer), which it updates in place. Layer i's tensors are norms[2i : 2i + 2] (input,
+// post-attention), weights[8i : 8i + 8] (qkv, o, gate/up and down, each as its two tensors) and
+// biases[2i : 2i + 2] (qkv's, gate/up's, or None). An attention part: RMSNorm, the QKV product
+// (+ bias), RoPE, the new K/V stored and each row's attention over the cache, the O product. An
+// MLP part: RMSNorm of x plus the residual, the gate/up product (+ bias), SiLU·mul, the down
+// product. Returns the last part's output.
+at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& residual, at::TensorList norms,
+                         double eps, at::TensorList weights,
+                         const c10::List<std::optional<at::Tensor>>& biases,
+                         const at::Tensor& cos, const at::Tensor& sin,
+                         const at::Tensor& positions, const at::Tensor& cache,
+                         const at::Tensor& slots, const at::Tensor& table, const at::Tensor& lens,
+                         int64_t q_heads, double scale, int64_t first_layer, int64_t first_part,
+                         int64_t parts) {
   const int64_t layers = static_cast<int64_t>(norms.size()) / 2;
-  const Step s{cos, sin, positions, cache, slots, table, lens, x.size(0), x.dim() == 2 ? x.size(1) : 0,
+  const Step s{cos, sin, positions, cache, slots, table, lens, first_layer,
+               x.size(0), x.dim() == 2 ? x.size(1) : 0,
                q_heads, cache.dim() == 6 ? cache.size(4) : 1, cache.dim() == 6 ? cache.size(5) : 0,
                static_cast<float>(eps), scale};
   check_step(x, s, layers, static_cast<int64_t>(norms.size()),
              static_cast<int64_t>(weights.size()), static_cast<int64_t>(biases.size()));
-  const Layer first = layer_at(norms, weights, biases, 0);
-  for (int64_t i = 0; i < layers; ++i) {
+  TORCH_CHECK_VALUE(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type() &&
+                        residual.is_contiguous(),
+                    "quantized decode layers: the residual must be contiguous, like x ",
+                    x.sizes(), " ", x.scalar_type(), "; got ", residual.sizes(), " ",
+                    residual.scalar_type());
+  TORCH_CHECK_VALUE(first_part >= 0 && parts >= 1 && first_part + parts <= 2 * layers,
+                    "quantized decode layers: parts [", first_part, ", ", first_part + parts,
+                    ") of the ", 2 * layers, " (two a layer)");
+  const int64_t last = first_part + parts;
+  const Layer first = layer_at(norms, weights, biases, first_part / 2);
+  for (int64_t i = first_part / 2; i < (last + 1) / 2; ++i) {  // the layers the parts touch
     const Layer l = layer_at(norms, weights, biases, i);
     check_layer(l, s, x.scalar_type());
     TORCH_CHECK_VALUE(l.gate_up.size(0) == first.gate_up.size(0),
                       "quantized decode layers: every layer's gate_up_proj must give ",
-                      first.gate_up.size(0), " outputs, as the first's; layer ", i, "'s gives ",
+                      first.gate_up.size(0), " outputs, as the first's; layer ", s.first_layer + i,
+                      "'s gives ",
                       l.gate_up.size(0));
   }
   const auto rows = [&](int64_t n) { return at::empty({s.rows, n}, x.options()); };
-  // the first layer's residual is zeros: x + 0 is x
-  Buffers b{rows(s.d), at::zeros_like(x), rows(s.d), rows(first.qkv.size(0)), rows(s.d),
+  Buffers b{rows(s.d), residual, rows(s.d), rows(first.qkv.size(0)), rows(s.d),
             rows(first.gate_up.size(0)), rows(first.gate_up.size(0) / 2)};
-  for (int64_t i = 0; i < layers; ++i) {
-    const Layer l = layer_at(norms, weights, biases, i);
-    if (x.scalar_type() == at::kBFloat16)
-      layer_of<bf16>(l, s, i, i == 0 ? x : b.hidden, b);
-    else
-      layer_of<float>(l, s, i, i == 0 ? x : b.hidden, b);
-  }
-  return {b.hidden, b.residual};
+  if (x.scalar_type() == at::kBFloat16)
+    run_parts<bf16>(norms, weights, biases, s, x, first_part, last, b);
+  else
+    run_parts<float>(norms, weights, biases, s, x, first_part, last, b);
+  return last % 2 == 0 ? b.hidden : b.o;
 }
 
 }  // namespace

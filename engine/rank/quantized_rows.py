@@ -37,14 +37,16 @@ q4_rows = graph_op.declare(
     "q4_rows(Tensor x, Tensor nibbles, Tensor steps) -> Tensor",
     lambda x, nibbles, steps: x.new_empty(x.shape[0], nibbles.shape[0], dtype=steps.dtype))
 
-# a decode step's layers (engine.rank.quantized_layers): per layer 2 norms, its 4 weights as 8
-# tensors (int8 codes and scales, or int4 nibbles and steps) and 2 biases
+# parts of a decode step's layers (engine.rank.quantized_layers; part 2i: the listed layer i's
+# attention, 2i + 1: its MLP; the cache's layer first_layer + i), the residual updated in place:
+# per listed layer 2 norms, its 4 weights as 8 tensors (int8 codes and scales, or int4 nibbles
+# and steps) and 2 biases
 quantized_decode_layers = graph_op.declare(
-    "quantized_decode_layers(Tensor x, Tensor[] norms, float eps, Tensor[] weights, "
-    "Tensor?[] biases, Tensor cos, Tensor sin, Tensor positions, Tensor(a!) cache, "
-    "Tensor slot_mapping, Tensor block_table, Tensor context_lens, int q_heads, float scale) "
-    "-> (Tensor, Tensor)",
-    lambda x, *rest: (torch.empty_like(x), torch.empty_like(x)))
+    "quantized_decode_layers(Tensor x, Tensor(a!) residual, Tensor[] norms, float eps, "
+    "Tensor[] weights, Tensor?[] biases, Tensor cos, Tensor sin, Tensor positions, "
+    "Tensor(b!) cache, Tensor slot_mapping, Tensor block_table, Tensor context_lens, int q_heads, "
+    "float scale, int first_layer, int first_part, int parts) -> Tensor",
+    lambda x, *rest: torch.empty_like(x))
 
 
 def available(kind: str = "int8") -> bool:

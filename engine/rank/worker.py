@@ -73,6 +73,8 @@ class Worker:
         if groups is not None:
             self.backend = context_parallel_backend(self.backend)
         self.tp = groups.tensor if groups is not None else TensorGroup()
+        if plan.shared_memory_all_reduce and not plan.on_cuda:
+            self.tp.share_memory()
         self.kernels = KernelChoice(plan.dtype)  # filled by measure(); fixed choices until then
         if not plan.on_cuda:
             self.backend = self.kernels.applied_to(self.backend)
@@ -135,7 +137,9 @@ class Worker:
                               self.shard.heads.kv_head_of_q_head())
         if reason is not None:
             return None, f"quantized-decode-layers: off ({reason})"
-        return QuantizedDecode(self.model), "quantized-decode-layers: one C++ call a step"
+        calls = ("one C++ call a step" if plan.world_size == 1
+                 else "a C++ call per layer part, all-reduced between")
+        return QuantizedDecode(self.model), f"quantized-decode-layers: {calls}"
 
     def _graph_key(self) -> str | None:
         """What this rank's compiled graphs depend on besides their code and tensor inputs,
@@ -359,7 +363,7 @@ class Worker:
                         self.load_s, self.digest.seconds,
                         self.kernels.describe() + ([self._quantized_decode_note]
                                                    if self._quantized_decode_note else []),
-                        self.kernel_choice_s, self.huge_page_bytes)
+                        self.kernel_choice_s, self.huge_page_bytes, self.tp.all_reduce_kind())
 
     def weight_digest(self) -> Slices:
         """The digests of every weight slice this rank loaded (the driver combines them)."""
