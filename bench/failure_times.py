@@ -73,7 +73,7 @@ def main() -> None:
     import tempfile
 
     path = str(build("uneven", Path(tempfile.mkdtemp())))
-    print(f"{machine()}; tiny model, Ray actors, gloo")
+    print(f"{machine()}; tiny model, Ray actors (their all-reduce through shared memory)")
     print("replica fault isolation (dp=2, tp=1; 8 requests of 50 tokens, replica 1's rank killed)")
     for retry in (False, True):
         r = replica_isolation(path, retry)

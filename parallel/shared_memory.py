@@ -1,11 +1,13 @@
-"""An all-reduce through shared memory, for CPU ranks of one group on one machine.
+"""An all-reduce (and a gather) through shared memory, for CPU ranks of one group on one machine.
 
-gloo sums over TCP loopback: 0.45-0.95 ms for one decode row of SmolLM2 ([1, 576] bf16) between
-two processes of the AVX512-BF16 EPYC, with waits of several ms now and then, and a layer makes
-two of them, so a tp=2 engine decoded at ~10 tok/s where one rank made ~200. Here each rank
-copies its tensor into its own slot of a mapped file and raises its counter; once every rank's
-counter has reached the call, each rank sums every slot, in rank order, into its tensor: the
-same sum on every rank, with no message in between.
+gloo sums over TCP loopback: a median 430 us for one decode row of SmolLM2 ([1, 576] bf16)
+between two ranks of the AVX512-BF16 EPYC, a mean of 1.7 ms (waits of several ms now and then),
+and a layer makes two of them; through shared memory 18 us (`.venv/bin/python -m
+bench.all_reduce`, BENCHMARKS.md). A tp=2 engine's 4-bit decode ran 11.9 tok/s through gloo and
+77.2 through memory (`bench.tp_scaling`, same page). Here each rank copies its tensor into its
+own slot of a mapped file and raises its counter; once every rank's counter has reached the
+call, each rank sums every slot, in rank order, into its tensor: the same sum on every rank,
+with no message in between.
 
 Slots come in two sets, used by turns, so a call's copy-in never overwrites a slot a slower rank
 is still summing: each rank also counts the calls it has finished summing, and a copy-in waits
@@ -15,8 +17,8 @@ call finishes an unfinished one first). A tensor larger than a slot goes through
 Waiting spins briefly, then yields its core: ranks often outnumber a small machine's spare cores.
 A wait ends with an error when a rank's process is gone, or after the group's collective timeout
 (a stopped rank): what gloo's own timeout did. Where memory is not shared (ranks on different
-machines, no /dev/shm), `SharedMemoryCollectives.attach` returns None with the reason and the group keeps
-torch.distributed's all-reduce.
+machines, no room in /dev/shm, a CPU other than x86), `SharedMemoryCollectives.attach` returns
+None with the reason, and the group keeps torch.distributed's collectives.
 """
 from __future__ import annotations
 

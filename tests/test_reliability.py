@@ -80,7 +80,10 @@ def test_hung_collective_is_caught_by_the_collective_timeout(ray_cluster, model)
         os.kill(pids[1], signal.SIGSTOP)  # rank 1 freezes: rank 0 waits in its all-reduce
         try:
             start = time.monotonic()
-            with pytest.raises(RankFailure, match="rank"):
+            # rank 0's wait in the shared-memory all-reduce gives up after the collective's
+            # bound, naming the rank it waited for
+            with pytest.raises(RankFailure, match=r"all-reduce timed out after 3\.\d s \("
+                                                  r"collective_timeout_s=3\) waiting for rank\(s\) \[1\]"):
                 llm.generate(PROMPTS[:1], GREEDY)
             assert time.monotonic() - start < 20  # the collective's 3 s, not the step's 60 s
         finally:

@@ -6,6 +6,7 @@ a rank that exits or stops answering; a folder that cannot be used (gloo keeps t
 from __future__ import annotations
 
 import os
+from pathlib import Path
 import time
 
 import pytest
@@ -137,3 +138,18 @@ def _folder_missing(rank: int, world: int, folder: str) -> None:
 
 def test_a_folder_that_cannot_be_used_keeps_gloo(tmp_path):
     run_in_group(2, _folder_missing, str(tmp_path / "missing"))
+
+
+def test_the_all_reduce_bench_runs():
+    """bench.all_reduce, as BENCHMARKS.md runs it (fewer calls): a row per size, both ways."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "bench.all_reduce", "--calls", "20"],
+                          capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [line.split() for line in done.stdout.splitlines() if " x 576 " in line]
+    assert [(r[0], r[3]) for r in rows] == [("1", "bfloat16"), ("4", "bfloat16"),
+                                            ("512", "float32"), ("2048", "float32")]
+    assert all(float(v) > 0 for r in rows for v in r[4:8])

@@ -100,6 +100,7 @@ def _total_ram_gb() -> float:
     ({"max_num_batched_tokens": "8"}, r"max_num_batched_tokens='8'"),
     ({"enable_prefix_caching": "no"}, r"enable_prefix_caching='no'.*True or False"),
     ({"retry_on_rank_failure": 1}, r"retry_on_rank_failure=1.*True or False"),
+    ({"shared_memory_all_reduce": "false"}, r"shared_memory_all_reduce=.false..*True or False"),
     ({"device": 0}, r"device=0"), ({"device": "cuda:x"}, r"device='cuda:x'"),
     ({"ray_address": 6379}, r"ray_address=6379"), ({"model": ""}, r"model=''"),
     ({"dtype": ["float32"]}, r"dtype=\['float32'\]"),

@@ -12,8 +12,11 @@ session 51). The layers run the C++ products where KernelChoice timed them faste
 for a layer's projections together, and the fused decode attention; where either is missing,
 decode steps run as before. Rows go through the products 4 at a time, so a step of any number of
 sequences takes this path. With tp > 1 each part of a layer (its attention, its MLP) ends in an
-all-reduce: such ranks make a call per part, the sum over ranks between calls (one call took a
-tp=2 rank's 4-bit decode step from ~20 to ~N ms on the AVX512-BF16 EPYC, one thread a rank).
+all-reduce: such ranks make a call per part, given only that layer's tensors, with the sum over
+the ranks between calls. A tp=2 engine's 4-bit SmolLM2 decode so ran 84.4-88.4 tok/s against
+43.6-45.7 through the eager layers (AVX512-BF16 EPYC, one thread a rank, shared-memory sums;
+`.venv/bin/python -m bench.tp_scaling --lengths 256 --tp 2 --all-reduce shared --dtype bfloat16
+--weights gguf`, against a copy of the code with the parts off, BENCHMARKS.md).
 
 Roundings follow the eager layer's (engine.rank.ops): the residual sums, the normalised rows and
 their products with the norms' weights, RoPE's float32 result, SiLU(gate) and its product with up
