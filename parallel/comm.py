@@ -136,9 +136,11 @@ class TensorGroup:
             return f"shared memory (CPU tensors; {backend} otherwise)"
         return backend + (f" (no shared memory: {self._not_shared})" if self._not_shared else "")
 
-    def _shares(self, x: torch.Tensor) -> bool:
+    def through_shared_memory(self, x: torch.Tensor) -> bool:
+        """Whether this group's collectives move x through shared memory (else
+        torch.distributed's)."""
         return (self._shared is not None and x.device.type == "cpu"
-                and (x.dtype.is_floating_point or x.dtype in _INTEGERS) and not x.is_complex())
+                and (x.dtype.is_floating_point or x.dtype in _INTEGERS))
 
     def world_size(self) -> int:
         return dist.get_world_size(self.group) if dist.is_initialized() else 1
@@ -150,7 +152,7 @@ class TensorGroup:
         """Sum over ranks, in place. A no-op for a world of one."""
         if self.world_size() > 1:
             start, event = time.perf_counter(), device_event(x)
-            if self._shares(x):
+            if self.through_shared_memory(x):
                 self._shared.all_reduce(x)
             else:
                 dist.all_reduce(x, group=self.group)
@@ -177,7 +179,7 @@ class TensorGroup:
         if self.world_size() == 1:
             return PendingAllReduce(x, None, 0.0, self.clock)
         start, event = time.perf_counter(), device_event(x)
-        if self._shares(x):
+        if self.through_shared_memory(x):
             work = SharedWork(self._shared, x)
         else:
             work = dist.all_reduce(x, group=self.group, async_op=True)
@@ -193,7 +195,7 @@ class TensorGroup:
         padded = torch.nn.functional.pad(x, (0, width - x.shape[-1])).contiguous()
         first = self.rank() == 0
         start, event = time.perf_counter(), device_event(padded)
-        if self._shares(padded):
+        if self.through_shared_memory(padded):
             parts = self._shared.gather_to_first(padded)
         else:
             parts = [torch.empty_like(padded) for _ in sizes] if first else None

@@ -37,8 +37,9 @@ FOLDER = Path("/dev/shm")
 SLOT_BYTES = 2 * 2**20  # per rank and set: decode rows fit whole, a long prompt's go in pieces
 SETS = 2
 LINE = 64  # each rank's counters on a cache line of their own
-# a rank's line: [0] calls copied in, [1] calls summed, [2] its pid, [3] its proof of sharing
-COPIED, SUMMED, PID, PROOF = range(4)
+# a rank's line: [0] calls copied in, [1] calls summed, [2] its pid, [3] its proof of sharing,
+# [4 + set] the bytes it copied into that set's slot
+COPIED, SUMMED, PID, PROOF, BYTES = range(5)
 HOT_S = 200e-6  # a wait polls this long before it starts yielding its core
 LIVENESS_S = 0.5  # how often a long wait looks for vanished ranks
 
@@ -134,7 +135,7 @@ class SharedMemoryCollectives:
             piece = flat[start:start + SLOT_BYTES]
             call = self._copy_in(piece)
             if first:
-                self._wait(COPIED, call, "copy its tensor in")
+                self._read_ready(call, len(piece))
                 for out, part in zip(outs, self._slot_views(call % SETS, len(piece), torch.uint8)):
                     out[start:start + len(piece)].copy_(part)
             # done with the call's set: the first rank once it has read it, others at once
@@ -152,12 +153,13 @@ class SharedMemoryCollectives:
         # the set was last used by call - SETS: every rank must have summed it
         self._wait(SUMMED, call - SETS, "finish the call before")
         self._slot_views(call % SETS, len(piece), torch.uint8)[self.rank].copy_(piece)
+        self._lines[self.rank, BYTES + call % SETS] = len(piece)
         self._lines[self.rank, COPIED] = call  # after the bytes (x86 stores stay in order)
         self._calls = call
         return call
 
     def _sum_into(self, call: int, flat: torch.Tensor, dtype: torch.dtype) -> None:
-        self._wait(COPIED, call, "copy its tensor in")
+        self._read_ready(call, len(flat))
         parts = self._slot_views(call % SETS, len(flat), dtype)
         # in rank order on every rank: every rank gets the same sum. Half-precision parts are
         # summed in float32 and rounded once (as torch adds two of them)
@@ -169,6 +171,17 @@ class SharedMemoryCollectives:
                 total += part
             flat.view(dtype).copy_(total)
         self._lines[self.rank, SUMMED] = call
+
+    def _read_ready(self, call: int, size: int) -> None:
+        """Wait until every rank has copied its part of `call` in, and check that each copied
+        `size` bytes: ranks that disagree (a bug elsewhere) get an error, not a sum of whatever
+        lies past the shorter parts."""
+        self._wait(COPIED, call, "copy its tensor in")
+        sizes = self._lines[:, BYTES + call % SETS]
+        if (sizes != size).any():
+            raise CollectiveError(
+                f"shared-memory collective {call}: the ranks copied in {sizes.tolist()} bytes; "
+                f"every rank must call each collective with a tensor of the same size")
 
     def _slot_views(self, which: int, size: int, dtype: torch.dtype) -> tuple:
         """Each rank's slot of set `which`, its first `size` bytes as `dtype`: kept, as a decode

@@ -125,6 +125,21 @@ def test_a_rank_that_leaves_ends_the_wait_with_an_error(tmp_path, how, said, wit
     assert float(seconds) < within
 
 
+def _sizes_disagree(rank: int, world: int) -> None:
+    shared = _attached()
+    with pytest.raises(CollectiveError, match=r"the ranks copied in \[16, 20\] bytes"):
+        shared.all_reduce(torch.ones(4 + rank))
+    if rank == 0:  # the rank that reads the others' parts
+        with pytest.raises(CollectiveError, match=r"the ranks copied in \[8, 12\] bytes"):
+            shared.gather_to_first(torch.ones(2))
+    else:
+        assert shared.gather_to_first(torch.ones(3)) is None
+
+
+def test_ranks_that_disagree_on_the_size_get_an_error_not_a_sum():
+    run_in_group(2, _sizes_disagree)
+
+
 def _folder_missing(rank: int, world: int, folder: str) -> None:
     shared_memory.FOLDER = shared_memory.Path(folder)
     group = comm.TensorGroup()

@@ -129,9 +129,9 @@ def test_tp2_shapes_follow_the_head_partition(ray_cluster, tiny_model_dir):
 
 def _all_reduce_flops(cfg: dict, tokens: int) -> int:
     """Two all-reduces of [T, d] per layer plus the embedding's, the last layer's two (o_proj's
-    and the MLP's) of the sampled row only; each rank adds half the elements at TP=2, so both
-    ranks together add T·d per all-reduce."""
-    return ((2 * cfg["layers"] - 1) * tokens + 2) * cfg["hidden"]
+    and the MLP's) of the sampled row only; through shared memory each rank of TP=2 adds the
+    other's T·d elements to its own, so both ranks together add 2·T·d per all-reduce."""
+    return 2 * ((2 * cfg["layers"] - 1) * tokens + 2) * cfg["hidden"]
 
 
 def test_app_writes_json_trace_and_roofline(tmp_path, tiny_model_dir):

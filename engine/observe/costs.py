@@ -54,16 +54,24 @@ def embedding(ids: torch.Tensor, weight: torch.Tensor):
             nbytes(ids) + 2 * len(ids) * row_bytes)
 
 
-def all_reduce(x: torch.Tensor, w: int):
-    """Ring all-reduce of n elements over w ranks: each rank does (w-1)·n/w additions and sends
-    and receives 2(w-1)/w of the tensor's bytes."""
-    n = x.numel()
-    return shape(x), (w - 1) * n // w, 2 * (w - 1) * n * x.element_size() // w
+def all_reduce(x: torch.Tensor, w: int, shared: bool):
+    """n elements summed over w ranks. A ring (gloo, NCCL): each rank does (w-1)·n/w additions
+    and sends and receives 2(w-1)/w of the tensor's bytes. Through shared memory
+    (parallel.shared_memory): each rank copies its n in (reads and writes them), then sums all w
+    copies itself, (w-1)·n additions, reading w·n and writing n; it sends nothing."""
+    n, size = x.numel(), x.element_size()
+    if shared:
+        return shape(x), (w - 1) * n, (w + 3) * n * size
+    return shape(x), (w - 1) * n // w, 2 * (w - 1) * n * size // w
 
 
-def gather_to_rank_zero(x: torch.Tensor, sizes: list[int], rank: int):
-    """Slices padded to the widest; rank 0 receives every rank's slice, the others send one."""
+def gather_to_rank_zero(x: torch.Tensor, sizes: list[int], rank: int, shared: bool):
+    """Slices padded to the widest; rank 0 receives every rank's slice, the others send one.
+    Through shared memory each rank copies its slice in (read and written), and rank 0 reads
+    every rank's and writes it out."""
     part = x.numel() // x.shape[-1] * max(sizes) * x.element_size()
+    if shared:
+        return shape(x), 0, 2 * part * (1 + (len(sizes) if rank == 0 else 0))
     return shape(x), 0, part * (len(sizes) if rank == 0 else 1)
 
 
@@ -129,9 +137,10 @@ def op_cost(op: str, module: torch.nn.Module, args: tuple) -> tuple[str, int, in
     if op == "attention":
         return attention(args[0], args[1], args[3].meta)
     if op == "all_reduce":
-        return all_reduce(args[0], module.tp.world_size())
+        return all_reduce(args[0], module.tp.world_size(), module.tp.through_shared_memory(args[0]))
     if op == "gather_logits":
-        return gather_to_rank_zero(args[0], module.sizes, module.tp.rank())
+        return gather_to_rank_zero(args[0], module.sizes, module.tp.rank(),
+                                   module.tp.through_shared_memory(args[0]))
     if op == "sample":
         return sample(args[0])
     raise KeyError(f"no cost formula for op {op!r}")
