@@ -127,6 +127,12 @@ class TensorGroup:
             self._shared, self._not_shared = SharedMemoryCollectives.attach(self.group,
                                                                     _collective_timeout_s)
 
+    def __getstate__(self) -> dict:
+        """A copy (a compiled graph kept on disk pickles its guards, which hold the layers and
+        so this group) leaves the shared memory out: the mapping is this process's. Graphs
+        reach the live group by its name at run time."""
+        return {**self.__dict__, "_shared": None}
+
     def all_reduce_kind(self) -> str:
         """How `all_reduce` sums this rank's tensors, for rank_info."""
         if self.world_size() == 1:

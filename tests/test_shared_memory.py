@@ -6,6 +6,7 @@ a rank that exits or stops answering; a folder that cannot be used (gloo keeps t
 from __future__ import annotations
 
 import os
+import pickle
 from pathlib import Path
 import time
 
@@ -138,6 +139,21 @@ def _sizes_disagree(rank: int, world: int) -> None:
 
 def test_ranks_that_disagree_on_the_size_get_an_error_not_a_sum():
     run_in_group(2, _sizes_disagree)
+
+
+def _copied_group(rank: int, world: int) -> None:
+    group = comm.TensorGroup()
+    group.share_memory()
+    copy = pickle.loads(pickle.dumps(group))  # as a kept compiled graph's guards pickle it
+    assert group.all_reduce_kind().startswith("shared memory") and copy.all_reduce_kind() == "gloo"
+    parts = _inputs(world, (3, 8), torch.float32, 5)
+    for each in (copy, group):
+        assert torch.equal(each.all_reduce(parts[rank].clone()), _plain_sum(parts))
+
+
+def test_a_pickled_copy_of_a_group_sums_through_gloo():
+    """The mapping is the process's own: a copy leaves it out and still sums right."""
+    run_in_group(2, _copied_group)
 
 
 def _folder_missing(rank: int, world: int, folder: str) -> None:
