@@ -124,8 +124,8 @@ class TensorGroup:
         ranks share (parallel.shared_memory) where they can map it, else as before, by
         torch.distributed. Every rank of the group calls it, or none."""
         if self.world_size() > 1:
-            self._shared, self._not_shared = SharedMemoryCollectives.attach(self.group,
-                                                                    _collective_timeout_s)
+            self._shared, self._not_shared = SharedMemoryCollectives.attach(
+                self.group, _collective_timeout_s)
 
     def __getstate__(self) -> dict:
         """A copy (a compiled graph kept on disk pickles its guards, which hold the layers and
@@ -241,14 +241,12 @@ class SharedWork:
     def __init__(self, shared: SharedMemoryCollectives, x: torch.Tensor):
         self._shared, self._x = shared, x
         self._started = shared.start(x)
-        self.done_at: float | None = None
 
     def wait(self) -> None:
         if self._started:  # a later call may have summed it already
             self._shared.finish_pending()
         else:
             self._shared.all_reduce(self._x)
-        self.done_at = time.perf_counter()
 
 
 class PendingAllReduce:
