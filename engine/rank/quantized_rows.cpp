@@ -3,8 +3,9 @@
 // streams the codes once and is bound by reading them; each code is widened in registers and used
 // by every row. float32 or bfloat16 x, scales and y; float32 sums. Built against torch and loaded
 // by engine/rank/quantized_rows.py, which declares the ops prefill::int8_rows, prefill::q4_rows and
-// prefill::quantized_decode_layers (a decode step's layers in one call, below: the products, and
-// RMSNorm, RoPE, the fused attention's kernel and SiLU·mul between them); register_ops() gives
+// prefill::quantized_decode_layers (a decode step's layers in one call, or with tp > 1 a layer's
+// attention or MLP part per call, below: the products, and RMSNorm, RoPE, the fused attention's
+// kernel and SiLU·mul between them); register_ops() gives
 // them these CPU kernels. Called straight from torch's dispatcher, eagerly or from a compiled
 // graph: through ctypes and a Python op each call cost several us more, and a decode step made
 // ~120 of them.
