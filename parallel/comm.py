@@ -15,6 +15,8 @@ from parallel.shared_memory import SharedMemoryCollectives
 # the bound on one collective the process group was made with (init_process_group), which the
 # shared-memory sums keep too
 _collective_timeout_s = 60.0
+# the integer dtypes shared memory sums (floats too; bool and complex go through torch.distributed)
+_INTEGERS = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
 
 
 def backend_for(device: str) -> str:
@@ -229,9 +231,6 @@ def _all_reduce_copy(x: torch.Tensor, group: str) -> torch.Tensor:
 
 all_reduce_copy = graph_op.define("all_reduce(Tensor x, str group) -> Tensor", _all_reduce_copy,
                                   lambda x, group: torch.empty_like(x))
-
-
-_INTEGERS = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
 
 
 class SharedWork:

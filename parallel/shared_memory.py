@@ -62,6 +62,7 @@ class SharedMemoryCollectives:
         self._lines = np.frombuffer(mapping, dtype=np.int64, count=words).reshape(world, LINE // 8)
         self._data = torch.frombuffer(mapping, dtype=torch.uint8, offset=world * LINE,
                                       count=SETS * world * SLOT_BYTES).view(SETS, world, SLOT_BYTES)
+        self._counters = {c: self._lines[:, c] for c in (COPIED, SUMMED)}  # every rank's
         self._views: dict[tuple, tuple] = {}  # (set, bytes, dtype) -> the slots' views
         self._calls = 0  # calls begun by this rank: the next one's number is _calls + 1
         self._pending: tuple[int, torch.Tensor] | None = None  # copied in, not yet summed
@@ -144,7 +145,8 @@ class SharedMemoryCollectives:
 
     def close(self) -> None:
         self._pending = None
-        del self._lines, self._data
+        self._views.clear()  # views of the mapping keep it from closing
+        del self._counters, self._lines, self._data
         self._map.close()
 
     def _copy_in(self, piece: torch.Tensor) -> int:
@@ -200,7 +202,7 @@ class SharedMemoryCollectives:
 
     def _wait(self, column: int, call: int, what: str) -> None:
         """Until every rank's `column` counter reaches `call`."""
-        counters = self._lines[:, column]
+        counters = self._counters[column]
         if counters.min() >= call:
             return
         started = checked = time.monotonic()
@@ -231,27 +233,11 @@ def _open_mapping(group, rank: int, world: int) -> tuple[mmap.mmap | None, Path 
     """The group's first rank creates the file and tells the others its name; every rank maps it.
     Returns (the mapping, the file, ""), or (None, the file or None, why) on a rank that cannot."""
     size = world * LINE + SETS * world * SLOT_BYTES
-    name = [None]
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        name = ["!the sums rely on x86's store order (a counter raised after the bytes it "
-                f"counts is seen after them), and this is {platform.machine()}"]
-    elif rank == 0:
-        path = FOLDER / f"prefill-all-reduce-{os.getpid()}-{secrets.token_hex(8)}"
-        try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-            try:
-                # its pages taken now: a full /dev/shm fails here, not as a SIGBUS mid-step
-                os.posix_fallocate(fd, 0, size)
-            finally:
-                os.close(fd)
-            name = [str(path)]
-        except OSError as e:
-            path.unlink(missing_ok=True)
-            name = [f"!{FOLDER} is not usable for the all-reduce: {e}"]
-    dist.broadcast_object_list(name, group=group, group_src=0)
-    if name[0].startswith("!"):
-        return None, None, name[0][1:]
-    path = Path(name[0])
+    made = [_create_file(size) if rank == 0 else None]  # (the file or None, why not)
+    dist.broadcast_object_list(made, group=group, group_src=0)
+    path, why = made[0]
+    if path is None:
+        return None, None, why
     try:
         fd = os.open(path, os.O_RDWR)
         try:
@@ -262,6 +248,25 @@ def _open_mapping(group, rank: int, world: int) -> tuple[mmap.mmap | None, Path 
             os.close(fd)
     except OSError as e:
         return None, path, f"{path} cannot be mapped here: {e} (different machines?)"
+
+
+def _create_file(size: int) -> tuple[Path | None, str]:
+    """The group's file of `size` bytes, its pages reserved (a full /dev/shm fails here, not as
+    a SIGBUS mid-step), or (None, why not)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return None, ("the sums rely on x86's store order (a counter raised after the bytes it "
+                      f"counts is seen after them), and this is {platform.machine()}")
+    path = FOLDER / f"prefill-all-reduce-{os.getpid()}-{secrets.token_hex(8)}"
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, size)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        path.unlink(missing_ok=True)
+        return None, f"{FOLDER} is not usable for the all-reduce: {e}"
+    return path, ""
 
 
 def _flat_bytes(x: torch.Tensor) -> torch.Tensor:

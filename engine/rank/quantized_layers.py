@@ -78,6 +78,7 @@ class QuantizedDecode:
         self.model = model
         attn = model.layers[0].self_attn
         self._heads = (attn.qkv_proj.q_size // attn.head_dim, attn.attn.scale)
+        self._rotary = (attn.rotary_emb.cos, attn.rotary_emb.sin)
         # the op's lists for every layer (one rank) and for each layer alone (tp > 1, a call per
         # part: converting 30 layers' 360 tensors at each of 60 calls took more than the parts)
         self._all = self._lists(model.layers)
@@ -99,14 +100,13 @@ class QuantizedDecode:
     def logits(self, ctx: StepContext) -> torch.Tensor:
         """This rank's logits slice of every row, before the gather."""
         meta, model = ctx.meta, self.model
-        rotary = model.layers[0].self_attn.rotary_emb
         x = model.embed_tokens(ctx.token_ids)
         residual = torch.zeros_like(x)
 
         def run(x: torch.Tensor, lists: tuple, first_layer: int, first_part: int,
                 parts: int) -> torch.Tensor:
             return quantized_rows.quantized_decode_layers(
-                x, residual, *lists, rotary.cos, rotary.sin, ctx.positions, ctx.cache.data,
+                x, residual, *lists, *self._rotary, ctx.positions, ctx.cache.data,
                 meta.slot_mapping, meta.block_table, meta.context_lens, *self._heads,
                 first_layer, first_part, parts)
 
