@@ -175,12 +175,17 @@ def fused_attention_at(rev: str) -> Callable[..., torch.Tensor]:
     """fused_attention.causal_attention running the kernels as they were at git revision `rev`,
     built here as the engine builds today's (for this CPU, in a temporary folder)."""
     folder = Path(tempfile.mkdtemp(prefix="fused-attention-"))
-    for name in ("fused_attention.cpp", "cpu_vectors.h"):
+    for name in ("fused_attention.cpp", "cpu_vectors.h", "torch_ops.h"):
         shown = subprocess.run(["git", "show", f"{rev}:engine/rank/{name}"], capture_output=True,
-                               text=True, check=True, cwd=Path(__file__).resolve().parents[1])
-        (folder / name).write_text(shown.stdout)
-    then = CppLibrary(folder / "fused_attention.cpp", f"fused attention at {rev}",
-                      fused_attention.LIBRARY.signatures, "")
+                               text=True, cwd=Path(__file__).resolve().parents[1])
+        if shown.returncode == 0:  # (torch_ops.h came later than the others)
+            (folder / name).write_text(shown.stdout)
+    # built against torch where it includes its headers (it registers torch ops: not called
+    # here, the process has today's); only the prompt kernel is looked up
+    prompt = {"fused_causal_attention": fused_attention.LIBRARY.signatures["fused_causal_attention"]}
+    registers = "register_ops" in (folder / "fused_attention.cpp").read_text()
+    then = CppLibrary(folder / "fused_attention.cpp", f"fused attention at {rev}", prompt, "",
+                      register="register_ops" if registers else None)
     return fused_attention_with(then.open(then.build(folder, "g++")))
 
 

@@ -139,6 +139,42 @@ def _avx2_build_matches_float64() -> None:
         torch.testing.assert_close(out.double(), want, atol=TOLERANCE[dtype], rtol=0)
 
 
+def _cpu_flags() -> set[str]:
+    with open("/proc/cpuinfo") as f:
+        return set(next(line for line in f if line.startswith("flags")).split(":")[1].split())
+
+
+AMX = {"amx_tile", "amx_bf16"} <= _cpu_flags()
+
+
+@pytest.mark.skipif(not AMX, reason="this CPU has no AMX (the tests above ran its other path)")
+def test_an_amx_cpu_multiplies_bf16_in_tiles_and_a_build_without_amx_still_agrees(tmp_path):
+    """On a CPU with AMX the tests above ran bf16 prompts through AMX tiles; the AVX512-BF16 pair
+    dot products that such a CPU without AMX runs (Cooper Lake's build, as an EPYC's) are
+    checked here against float64 too, with the scores that move the running max."""
+    assert fa.bf16_products() == "AMX tiles"
+    out = run_in_a_build_for("cooperlake", tmp_path, (
+        "from tests.test_fused_attention import _pairs_build_matches_float64\n"
+        "_pairs_build_matches_float64()\n"
+        "print('checked')\n"))
+    assert out.split() == ["checked"]
+
+
+def _pairs_build_matches_float64() -> None:
+    assert fa.bf16_products() == "AVX512-BF16 pair dot products"
+    for q_len, kv_len, seed in ((37, 300, 3), (300, 300, 4)):
+        q, k, v = _climbing(q_len, kv_len, 0.05, torch.bfloat16, seed=seed)
+        torch.testing.assert_close(fa.causal_attention(q, k, v, 0.125).double(),
+                                   causal_attention_float64(q, k, v, 0.125),
+                                   atol=_climbing_tolerance(q, k, v, torch.bfloat16), rtol=0)
+
+
+def test_the_amx_code_builds_for_an_amx_cpu(tmp_path):
+    """What a Xeon with AMX runs, compiled on any machine (the tests above run it only where
+    the CPU has AMX): a build for Sapphire Rapids."""
+    assert fa.LIBRARY.build(tmp_path, "g++", march="sapphirerapids").exists()
+
+
 def test_bf16_outputs_round_to_nearest():
     """bf16 outputs are rounded to the nearest bf16, not truncated: over many outputs the
     signed error relative to float64 averages ~0 (truncation would shrink every one, by half
@@ -232,13 +268,17 @@ def test_a_damaged_cache_builds_it_elsewhere(monkeypatch, tmp_path, damage):
                                causal_attention_float64(q, k, v, 0.2), atol=2e-6, rtol=0)
 
 
-@pytest.mark.parametrize("compile", [False, True])
-def test_an_engine_where_it_wins_runs_it_and_keeps_the_tokens(tiny_model_dir, monkeypatch,
-                                                              tmp_path, compile):
+@pytest.mark.parametrize("compile,dtype", [(False, "float32"), (True, "float32"),
+                                           (False, "bfloat16")])
+def test_an_engine_where_it_wins_runs_it_and_keeps_the_tokens(tiny_model_dir, smollm2_path,
+                                                              monkeypatch, tmp_path, compile,
+                                                              dtype):
     """The fused kernel made to win every prompt bucket: each layer of each prompt step runs it
     (eagerly and through the compiled prompt graph's attention op), over the whole prompt and
     over a chunk after a prefix-cache hit, and the greedy tokens are those of the built-in
-    choice (SDPA)."""
+    choice (SDPA). bf16 on SmolLM2 (heads of 64: AMX tiles where the CPU has them), whose
+    products run between oneDNN's bf16 projections, which on such a CPU use the same tile
+    registers (each kernel sets the tiles' shapes it needs)."""
     import json
 
     from engine import LLM, SamplingParams
@@ -251,12 +291,16 @@ def test_an_engine_where_it_wins_runs_it_and_keeps_the_tokens(tiny_model_dir, mo
     real, calls = fa.causal_attention, []
     monkeypatch.setattr(fa, "causal_attention",
                         lambda q, k, *rest: calls.append((len(q), len(k))) or real(q, k, *rest))
-    path = tiny_model_dir("llama")
-    layers = json.loads((path / "config.json").read_text())["num_hidden_layers"]
+    if dtype == "float32":
+        path = tiny_model_dir("llama")
+        layers = json.loads((path / "config.json").read_text())["num_hidden_layers"]
+    else:
+        path, layers = smollm2_path, 30  # SmolLM2-135M's layers
     prompt = [(7 * i) % 200 + 3 for i in range(40)]
     tokens = {}
     for choice in ("measure", "fixed"):
-        with LLM(str(path), kernel_choice=choice, compile=compile, block_size=16) as llm:
+        with LLM(str(path), kernel_choice=choice, compile=compile, block_size=16,
+                 dtype=dtype) as llm:
             calls.clear()
             tokens[choice] = [llm.generate([p], SamplingParams(max_tokens=4))[0].token_ids
                               for p in (prompt, prompt + [9, 8, 7])]
@@ -406,8 +450,11 @@ def test_a_decode_graph_where_it_wins_runs_it_and_keeps_the_tokens(tiny_model_di
     # may time faster, and would never reach the decode graph)
     monkeypatch.setattr(kc, "_time_step", lambda kind, candidates, rounds: [
         run() for run in candidates.values()] and {"graph": 1.0, "eager": 2.0})
-    path = tiny_model_dir("llama")
-    layers = json.loads((path / "config.json").read_text())["num_hidden_layers"]
+    if dtype == "float32":
+        path = tiny_model_dir("llama")
+        layers = json.loads((path / "config.json").read_text())["num_hidden_layers"]
+    else:
+        path, layers = smollm2_path, 30  # SmolLM2-135M's layers
     prompts = [[(7 * i) % 200 + 3 for i in range(40)], [(5 * i) % 150 + 9 for i in range(23)]]
     params = SamplingParams(max_tokens=5, ignore_eos=True)
     tokens = {}

@@ -4,8 +4,9 @@
 //
 // The prompt's: scores, online softmax and the product with V for a tile of queries stay in the
 // core's caches, and the query heads that share a KV head go through each K/V tile together.
-// float32 or bfloat16 inputs and output, float32 sums either way: bf16 products run as pair dot
-// products where the CPU has them (AVX512-BF16), else on widened copies.
+// float32 or bfloat16 inputs and output, float32 sums either way: bf16 products run in AMX tiles
+// where the CPU has them (Xeons from Sapphire Rapids on; heads of a multiple of 32), else as pair
+// dot products (AVX512-BF16), else on widened copies.
 // Built against torch and loaded by engine/rank/fused_attention.py, for the CPU it runs on
 // (-march=native). The decode step's is also the CPU kernel of the op prefill::fused_paged_decode
 // (register_ops, below), which compiled decode graphs call once a layer: called through Python
@@ -26,6 +27,10 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty_like.h>
 #include <omp.h>
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include "cpu_vectors.h"
 #include "torch_ops.h"
@@ -44,6 +49,7 @@ constexpr int OUT_ROWS = 6;                       // rows of the register tile o
 struct Floats {
   using Elem = float;
   static constexpr int STEP = 1;
+  static constexpr bool TILES = false;  // products in registers (below), not AMX tiles
   static Elem from(float x) { return x; }
   static Elem from(bf16 x) { return widen(x); }
   static vf load_b(const float* p) { return load(p); }
@@ -69,6 +75,7 @@ static_assert(W == 16, "bf16 pairs fill 512-bit registers");
 struct Bf16Pairs {
   using Elem = uint16_t;
   static constexpr int STEP = 2;
+  static constexpr bool TILES = false;
   static Elem from(bf16 x) { return x.bits; }
   static __m512bh load_b(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
   static __m512bh splat_a(const uint16_t* p) {
@@ -134,6 +141,97 @@ void product(const typename Mul::Elem* A, int64_t lda, int M, int depth,
                                 ldo, accumulate);
     }
 }
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// bf16 products on AMX's tile registers (Intel Xeons from Sapphire Rapids on): one instruction
+// multiplies a 16x32 bf16 tile by a 32x16 one into 16x16 float32 sums, the B tile in pairs along
+// the sum's index, which is how Bf16Pairs packs K and V already. The scores, the softmax and P
+// stay as Bf16Pairs has them; only the two products change.
+struct AmxPairs : Bf16Pairs {
+  static constexpr bool TILES = true;
+};
+
+// Linux gives a process AMX's tile state only once it asks (arch_prctl); where it refuses (an
+// older kernel, a hypervisor that hides it) the kernel keeps Bf16Pairs
+bool amx_granted() {
+  static const bool granted = [] {
+    constexpr int ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+  }();
+  return granted;
+}
+
+constexpr int TILE_ROWS = 16, TILE_DEPTH = 32, TILE_COLS = 16;  // bf16 A tile 16 x 32, C 16 x 16
+
+// each thread's tile registers: all eight 16 rows of 64 bytes (C: 0-3, A: 4-5, B: 6-7)
+void configure_tiles() {
+  struct alignas(64) {
+    uint8_t palette = 1, start_row = 0, reserved[14] = {};
+    uint16_t bytes_per_row[16] = {};
+    uint8_t rows[16] = {};
+  } config;
+  for (int t = 0; t < 8; ++t) config.bytes_per_row[t] = 64, config.rows[t] = TILE_ROWS;
+  _tile_loadconfig(&config);
+}
+
+// out[16 or 32 rows][32] (+)= A[rows][depth] B[depth][32 columns from B], B packed in pairs
+// with `cols` columns; depth a multiple of TILE_DEPTH
+template <bool TwoRowTiles>
+inline void tile_block(const uint16_t* A, int64_t lda, int depth, const uint16_t* B,
+                       int64_t cols, float* out, int64_t ldo, bool accumulate) {
+  const int64_t a_bytes = lda * 2, b_bytes = cols * 4, out_bytes = ldo * 4;
+  float* out2 = out + TILE_ROWS * ldo;
+  if (accumulate) {
+    _tile_loadd(0, out, out_bytes);
+    _tile_loadd(1, out + TILE_COLS, out_bytes);
+    if constexpr (TwoRowTiles) {
+      _tile_loadd(2, out2, out_bytes);
+      _tile_loadd(3, out2 + TILE_COLS, out_bytes);
+    }
+  } else {
+    _tile_zero(0);
+    _tile_zero(1);
+    if constexpr (TwoRowTiles) {
+      _tile_zero(2);
+      _tile_zero(3);
+    }
+  }
+  for (int k = 0; k < depth; k += TILE_DEPTH) {
+    const uint16_t* b = B + k * cols;  // pair row k / 2: (k / 2) * cols pairs in
+    _tile_loadd(6, b, b_bytes);
+    _tile_loadd(7, b + 2 * TILE_COLS, b_bytes);
+    _tile_loadd(4, A + k, a_bytes);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if constexpr (TwoRowTiles) {
+      _tile_loadd(5, A + TILE_ROWS * lda + k, a_bytes);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, out, out_bytes);
+  _tile_stored(1, out + TILE_COLS, out_bytes);
+  if constexpr (TwoRowTiles) {
+    _tile_stored(2, out2, out_bytes);
+    _tile_stored(3, out2 + TILE_COLS, out_bytes);
+  }
+}
+
+// `product` in AMX tiles: rows a multiple of TILE_ROWS (A's rows past the real ones finite), width
+// a multiple of 2 TILE_COLS, depth of TILE_DEPTH (A's and B's elements past the real depth zero)
+void amx_product(const uint16_t* A, int64_t lda, int rows, int depth, const uint16_t* B,
+                 int64_t cols, int width, float* out, int64_t ldo, bool accumulate) {
+  for (int j = 0; j < width; j += 2 * TILE_COLS) {
+    int i = 0;
+    for (; i + 2 * TILE_ROWS <= rows; i += 2 * TILE_ROWS)
+      tile_block<true>(A + i * lda, lda, depth, B + 2 * j, cols, out + i * ldo + j, ldo,
+                       accumulate);
+    if (i < rows)
+      tile_block<false>(A + i * lda, lda, depth, B + 2 * j, cols, out + i * ldo + j, ldo,
+                        accumulate);
+  }
+}
+#endif
 
 template <typename T>
 struct Problem {
@@ -239,7 +337,8 @@ constexpr float RESCALE_ABOVE = 8.f;
 // scores of one tile -> probabilities e^(scale (score - m)) into P (in place where P is S),
 // keys past a row's last visible one masked, where m is the row's running max (moved only past
 // RESCALE_ABOVE, when O and the running sum are rescaled). m is kept in unscaled scores (scale > 0
-// keeps their order), so the scale costs no pass of its own.
+// keeps their order), so the scale costs no pass of its own. A row's running sum is a vector (l
+// holds W floats a row), added across its lanes once at the end, not once a tile.
 template <typename Mul, int D>
 void softmax_tile(float* S, int M, int64_t group, int64_t first_visible, int64_t j0, int nk,
                   float scale, float* O, float* m, float* l, typename Mul::Elem* P) {
@@ -258,18 +357,28 @@ void softmax_tile(float* S, int M, int64_t group, int64_t first_visible, int64_t
     } else if ((top - m[r]) * scale2 > RESCALE_ABOVE) {
       // 2^(scale2 (old max - new max)) scales what was summed so far
       const float alpha = vexp2(splat((m[r] - top) * scale2), first_lanes(1))[0];
-      l[r] *= alpha;
+      store(l + r * W, load(l + r * W) * alpha);
       for (int c = 0; c < D; c += W) store(O + r * D + c, load(O + r * D + c) * alpha);
       m[r] = top;
     }
-    vf sum = splat(0.f);
+    // two sums, so consecutive vectors' exps do not wait on one another's additions
+    vf sum0 = load(l + r * W), sum1 = splat(0.f);
     const vf scaled = splat(scale2), shift = splat(-m[r] * scale2);
-    for (int j = 0; j < span; j += W) {
+    int j = 0;
+    for (; j + W < span; j += 2 * W) {
+      const vf e0 = vexp2(load(s + j) * scaled + shift, first_lanes(visible - j));
+      const vf e1 = vexp2(load(s + j + W) * scaled + shift, first_lanes(visible - j - W));
+      Mul::store_p(P + r * KEYS + j, e0);
+      Mul::store_p(P + r * KEYS + j + W, e1);
+      sum0 += e0;
+      sum1 += e1;
+    }
+    if (j < span) {
       const vf e = vexp2(load(s + j) * scaled + shift, first_lanes(visible - j));
       Mul::store_p(P + r * KEYS + j, e);
-      sum += e;
+      sum0 += e;
     }
-    l[r] += hsum(sum);
+    store(l + r * W, sum0 + sum1);
   }
 }
 
@@ -281,11 +390,11 @@ struct Scratch {
 
   static int64_t floats(int64_t rows, int D) {  // Q and P in float-sized slots, rounded up
     const int64_t packed = rows * (D + KEYS) * sizeof(typename Mul::Elem);
-    return rows * KEYS + rows * D + rows * 2 + (packed + 3) / 4;
+    return rows * KEYS + rows * D + rows * (1 + W) + (packed + 3) / 4;
   }
   Scratch(float* at, int64_t rows, int D)
       : S(at), O(S + rows * KEYS), m(O + rows * D), l(m + rows),
-        Q(reinterpret_cast<typename Mul::Elem*>(l + rows)), P(Q + rows * D) {
+        Q(reinterpret_cast<typename Mul::Elem*>(l + rows * W)), P(Q + rows * D) {
     if constexpr (std::is_same_v<typename Mul::Elem, float>) P = S;  // in place
   }
 };
@@ -308,15 +417,32 @@ void attend_unit(const Problem<T>& p, const typename Mul::Elem* kt_head,
       }
     }
   std::fill(b.m, b.m + M, -INFINITY);
-  std::fill(b.l, b.l + M, 0.f);
+  std::fill(b.l, b.l + M * W, 0.f);
+  // tiles take whole 16-row blocks: the rows past M multiply zeros, and nothing reads them
+  const int tile_rows = Mul::TILES ? (M + 15) / 16 * 16 : M;
+  if constexpr (Mul::TILES) {
+    std::fill(b.Q + M * D, b.Q + tile_rows * D, typename Mul::Elem{});
+    std::fill(b.P + M * KEYS, b.P + tile_rows * KEYS, typename Mul::Elem{});
+  }
   const int64_t first_visible = p.num_k - p.num_q + t0;  // the last key token t0 sees
   const int64_t seen = first_visible + tokens;           // keys the last token sees
   for (int64_t j0 = 0; j0 < seen; j0 += KEYS) {
     const int nk = static_cast<int>(std::min<int64_t>(KEYS, seen - j0));
     // scores of whole vectors of keys: register tiles SCORE_VECTORS wide, then one at a time
     const int span = (nk + W - 1) / W * W;
-    const int wide = span / (SCORE_VECTORS * W) * (SCORE_VECTORS * W);
     const int64_t tile = (j0 / KEYS) * D * KEYS;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if constexpr (Mul::TILES) {
+      const int depth = (nk + TILE_DEPTH - 1) / TILE_DEPTH * TILE_DEPTH;  // keys, in whole tiles
+      amx_product(b.Q, D, tile_rows, D, kt_head + tile, KEYS, depth, b.S, KEYS, false);
+      softmax_tile<Mul, D>(b.S, M, group, first_visible, j0, nk, p.scale, b.O, b.m, b.l, b.P);
+      for (int r = 0; r < M; ++r)  // keys past the scores' vectors: P's zeros (V's are packed)
+        std::fill(b.P + r * KEYS + span, b.P + r * KEYS + depth, typename Mul::Elem{});
+      amx_product(b.P, KEYS, tile_rows, depth, vt_head + tile, D, D, b.O, D, j0 > 0);
+      continue;
+    }
+#endif
+    const int wide = span / (SCORE_VECTORS * W) * (SCORE_VECTORS * W);
     product<Mul, SCORE_ROWS, SCORE_VECTORS>(b.Q, D, M, D, kt_head + tile, KEYS, wide, b.S,
                                             KEYS, false);
     product<Mul, SCORE_ROWS, 1>(b.Q, D, M, D, kt_head + tile + wide * Mul::STEP, KEYS,
@@ -330,7 +456,7 @@ void attend_unit(const Problem<T>& p, const typename Mul::Elem* kt_head,
     for (int64_t g = 0; g < group; ++g) {
       const int r = static_cast<int>(t * group + g);
       T* dst = p.out + (t0 + t) * p.out_stride + (h * group + g) * D;
-      const float inv = 1.f / b.l[r];
+      const float inv = 1.f / hsum(load(b.l + r * W));
       for (int dd = 0; dd < D; ++dd) narrow(b.O[r * D + dd] * inv, dst + dd);
     }
 }
@@ -350,6 +476,9 @@ void attend(const Problem<T>& p, int threads) {
   {
     pack<Mul, T, D>(p, tiles, kt.get(), vt.get());  // ends in the loop's barrier
     const Scratch<Mul> buffers(scratch.get() + omp_get_thread_num() * per_thread, rows, D);
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if constexpr (Mul::TILES) configure_tiles();  // each thread's own tile registers
+#endif
 #pragma omp for schedule(dynamic, 1)
     for (int64_t u = 0; u < units; ++u) {
       // later query blocks see more keys: the costliest start first
@@ -357,11 +486,23 @@ void attend(const Problem<T>& p, int threads) {
       attend_unit<Mul, T, D>(p, kt.get() + head, vt.get() + head, h, block * QUERY_TOKENS,
                              buffers);
     }
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if constexpr (Mul::TILES) _tile_release();
+#endif
   }
 }
 
 template <typename T, int D>
 void attend_on(const Problem<T>& p, int threads) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  // (a tile's depth is 32 bf16: head sizes of whole tiles)
+  if constexpr (std::is_same_v<T, bf16> && D % TILE_DEPTH == 0) {
+    if (amx_granted()) {
+      attend<AmxPairs, T, D>(p, threads);
+      return;
+    }
+  }
+#endif
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<T, bf16>) {
     attend<Bf16Pairs, T, D>(p, threads);
@@ -802,6 +943,19 @@ int paged_decode_any(const DecodeProblem<T>& p, int64_t head_dim, int threads) {
 // `bfloat16`: 0 float32 tensors, 1 bfloat16 ones. Returns 0: done; 1: a head size this build
 // has no kernel for; 2: out of memory for its buffers. No C++ exception crosses into the caller
 // (ctypes): it would end the process.
+// How this build multiplies a bf16 prompt's tiles here: 2 AMX tiles, 1 AVX512-BF16 pair dot
+// products, 0 widened float32 (head sizes that are no multiple of 32 take the pairs' path)
+extern "C" int bf16_products() {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  if (amx_granted()) return 2;
+#endif
+#if defined(__AVX512BF16__)
+  return 1;
+#else
+  return 0;
+#endif
+}
+
 extern "C" int fused_causal_attention(
     const void* q, int64_t q_stride, const void* k, int64_t k_stride, const void* v,
     int64_t v_stride, void* out, int64_t out_stride, int64_t num_q, int64_t num_k, int64_t hq,

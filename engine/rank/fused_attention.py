@@ -7,7 +7,8 @@ heads that share a KV head through each K/V tile together, and multiplies in reg
 the machine's widest vectors: one SmolLM2 layer's float32 2048-token prompt took 24.3 ms
 against SDPA's 38.3, and a 512-token one 1.7 against 3.9 (2 threads of the AVX512-BF16 EPYC,
 `.venv/bin/python -m bench.cpu_ops --only-prompt-attention --fused-from 8e201cc`, which also
-times the kernel as it was before session 46: 1.09-1.30x slower; BENCHMARKS.md).
+times the kernel as it was before session 46: 1.09-1.30x slower; BENCHMARKS.md). On a Xeon with
+AMX its bf16 products run in AMX tiles (`bf16_products()` says which way this build runs them).
 
 A decode step's (`paged_decode`) stores the step's new K/V and reads each row's context through
 its block table in one call, with spans of one row's keys spread over the threads; the compiled
@@ -37,7 +38,7 @@ LIBRARY = CppLibrary(
     Path(__file__).with_suffix(".cpp"), "fused CPU attention",
     {"fused_causal_attention": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64,
                                 _i64, _i64, _i64, _float, _int, _int],
-     "register_ops": []},
+     "bf16_products": [], "register_ops": []},
     "prompts keep SDPA and decode graphs their own attention", register="register_ops")
 
 
@@ -46,8 +47,17 @@ def available() -> bool:
     return _kernels() is not None
 
 
-# bf16: float32 sums of bf16 products (AVX512-BF16 pair dot products, or widened copies)
+# bf16: float32 sums of bf16 products (AMX tiles, AVX512-BF16 pair dot products, or widened
+# copies)
 DTYPES = (torch.float32, torch.bfloat16)
+BF16_PRODUCTS = ("widened float32", "AVX512-BF16 pair dot products", "AMX tiles")
+
+
+def bf16_products() -> str | None:
+    """How a bf16 prompt's products run in this build, on this machine (one of BF16_PRODUCTS;
+    AMX for head sizes of a multiple of 32, else the next), or None where it is not built."""
+    kernels = _kernels()
+    return None if kernels is None else BF16_PRODUCTS[kernels.bf16_products()]
 
 
 def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
