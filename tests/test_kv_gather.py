@@ -2,11 +2,14 @@
 (no copy); any other is gathered block by block. Both give the attention of the formula."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from engine.rank.attention import torch_attention
 from engine.rank.kv_cache import KVCache
+from engine.rank.step_context import BackendOps
 from engine.rank.step_metadata import build_step_metadata, consecutive_from
 
 BLOCK, HQ, HKV, D = 4, 4, 2, 8
@@ -55,3 +58,26 @@ def test_consecutive_blocks_are_read_in_place_and_attend_as_the_formula():
         torch.testing.assert_close(outs[BLOCK][i].double(),
                                    _attention_by_formula(q[i], keys, values, 0.3),
                                    atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("slots,first", [([8, 9, 10, 11, 12], 8), ([5], 5), ([0, 1, 2], 0),
+                                         ([8, 9, 11], None), ([9, 8], None), ([3, 3], None),
+                                         ([], None)])
+def test_a_step_whose_slots_run_on_stores_them_as_one_slice(slots, first):
+    """A step's new K/V whose slots run s, s + 1, ... (a prompt in fresh blocks, or its chunk
+    after a cached prefix) are copied as one slice; any other run of slots is scattered. Both
+    leave the cache as plain indexing writes it, every other slot untouched."""
+    meta = build_step_metadata([0, len(slots)], [len(slots)], [[0, 1, 2, 3]], slots, [0, 0, 1, 1],
+                               "cpu", block_size=BLOCK)
+    assert meta.first_slot == first
+    gen = torch.Generator().manual_seed(len(slots))
+    cache = KVCache(2, 4, BLOCK, HKV, D, torch.float32, "cpu")
+    cache.data.copy_(torch.randn(cache.data.shape, generator=gen))
+    want = cache.data.clone()
+    k, v = (torch.randn(len(slots), HKV, D, generator=gen) for _ in range(2))
+    for row, slot in enumerate(slots):
+        want[0, 1, slot // BLOCK, slot % BLOCK] = k[row]
+        want[1, 1, slot // BLOCK, slot % BLOCK] = v[row]
+    ctx = SimpleNamespace(cache=cache, meta=meta)
+    BackendOps(KVCache.store, torch_attention).store(ctx, 1, k, v)
+    assert torch.equal(cache.data, want)

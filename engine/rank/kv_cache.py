@@ -38,6 +38,14 @@ class KVCache:
         """Scatter the new tokens' K/V ([T, kv_heads, d]) into their slots."""
         store_into(self.data, i, k, v, slot_mapping)
 
+    def store_run(self, i: int, k: torch.Tensor, v: torch.Tensor, first_slot: int) -> None:
+        """`store` where the slots run first_slot, first_slot + 1, ...: one slice copy each for
+        K and V, not a scatter (a 512-token prompt's layer of SmolLM2 stored in 12 against
+        49 us on the AMX Xeon, a /tmp timing)."""
+        k_cache, v_cache = self.layer(i)
+        k_cache.flatten(0, 1)[first_slot:first_slot + len(k)].copy_(k)
+        v_cache.flatten(0, 1)[first_slot:first_slot + len(v)].copy_(v)
+
     def gather(self, i: int, block_table: list[int] | torch.Tensor, length: int,
                first_block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of the first `length` positions of one sequence, [length, kv_heads, d]. The

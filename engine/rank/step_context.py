@@ -60,7 +60,11 @@ class BackendOps:
     attention: Callable  # (layer, q, k, v, cache, meta, scale) -> out
 
     def store(self, ctx: StepContext, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.kv_store(ctx.cache, layer, k, v, ctx.meta.slot_mapping)
+        first_slot = getattr(ctx.meta, "first_slot", None)  # (a StepMetadata's; not CP's)
+        if first_slot is not None:
+            ctx.cache.store_run(layer, k, v, first_slot)
+        else:
+            self.kv_store(ctx.cache, layer, k, v, ctx.meta.slot_mapping)
 
     def attend(self, ctx: StepContext, layer: int, q: torch.Tensor, k: torch.Tensor,
                v: torch.Tensor, scale: float) -> torch.Tensor:

@@ -66,6 +66,9 @@ class StepMetadata:
     # per sequence, the first of its context's blocks when they are consecutive (its K/V are
     # one slice of the cache, read without a copy: KVCache.gather), else None
     first_blocks: list[int | None] | None = None
+    # the first of the step's slots when they run first_slot, first_slot + 1, ... (a prompt in
+    # fresh blocks): its K/V are stored as one slice copy (KVCache.store_run), else None
+    first_slot: int | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -80,6 +83,14 @@ def consecutive_from(table: list[int], length: int, block_size: int) -> int | No
         return None
     first = table[0]
     return first if all(table[j] == first + j for j in range(1, used)) else None
+
+
+def first_of_run(slots: list[int] | torch.Tensor) -> int | None:
+    """slots[0] if the (host) slots run slots[0], slots[0] + 1, ...; else None."""
+    if isinstance(slots, torch.Tensor) or not slots:
+        return None
+    first = slots[0]
+    return first if slots == list(range(first, first + len(slots))) else None
 
 
 def _group_rows(kv_head_of_q: list[int]) -> tuple[int, list[list[int]]]:
@@ -186,4 +197,5 @@ def build_step_metadata(cu_seqlens_q: list[int], context_lens: list[int],
         decode_kv_per_split=per_split, defaults=defaults, token_ids=views.get("token_ids"),
         positions=views.get("positions"), logits_indices=views.get("logits_indices"),
         first_blocks=None if block_size is None else
-        [consecutive_from(t, n, block_size) for t, n in zip(block_tables, context_lens)])
+        [consecutive_from(t, n, block_size) for t, n in zip(block_tables, context_lens)],
+        first_slot=first_of_run(slot_mapping))
