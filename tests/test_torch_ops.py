@@ -38,6 +38,23 @@ def test_rope_side_by_side_and_apart_is_the_rotation(rows, dtype, atol, inferenc
         _check_rope(rows, dtype, atol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_in_a_compiled_graph_gives_the_eager_values(dtype):
+    """A graph swaps the halves by two slices where eager rolls them (ops._rotated): the same
+    rotation, bitwise, against the float64 rotation too."""
+    gen = torch.Generator().manual_seed(1)
+    cos, sin = _tables(512)
+    positions = torch.randint(0, 512, (37,), generator=gen)
+    qkv = torch.randn(37, (HQ + 2 * HKV) * D, generator=gen).to(dtype)
+    q, k, _ = (t.view(37, -1, D) for t in qkv.split([HQ * D, HKV * D, HKV * D], dim=1))
+    compiled = torch.compile(ops.rope, backend="inductor", fullgraph=True)
+    for got, want, x in zip(compiled(positions, q, k, cos, sin),
+                            ops.rope(positions, q, k, cos, sin), (q, k)):
+        assert torch.equal(got, want)
+        torch.testing.assert_close(got.double(), _by_complex(x, positions), rtol=0,
+                                   atol=1e-5 if dtype == torch.float32 else 3e-2)
+
+
 def _check_rope(rows: int, dtype: torch.dtype, atol: float) -> None:
     gen = torch.Generator().manual_seed(0)
     cos, sin = _tables(512)
