@@ -450,11 +450,8 @@ def test_a_decode_graph_where_it_wins_runs_it_and_keeps_the_tokens(tiny_model_di
     # may time faster, and would never reach the decode graph)
     monkeypatch.setattr(kc, "_time_step", lambda kind, candidates, rounds: [
         run() for run in candidates.values()] and {"graph": 1.0, "eager": 2.0})
-    if dtype == "float32":
-        path = tiny_model_dir("llama")
-        layers = json.loads((path / "config.json").read_text())["num_hidden_layers"]
-    else:
-        path, layers = smollm2_path, 30  # SmolLM2-135M's layers
+    path = tiny_model_dir("llama")
+    layers = json.loads((path / "config.json").read_text())["num_hidden_layers"]
     prompts = [[(7 * i) % 200 + 3 for i in range(40)], [(5 * i) % 150 + 9 for i in range(23)]]
     params = SamplingParams(max_tokens=5, ignore_eos=True)
     tokens = {}

@@ -10,7 +10,7 @@ import torch
 from engine.rank.attention import torch_attention
 from engine.rank.kv_cache import KVCache
 from engine.rank.step_context import BackendOps
-from engine.rank.step_metadata import build_step_metadata, consecutive_from
+from engine.rank.step_metadata import build_step_metadata, consecutive_from, first_of_run
 
 BLOCK, HQ, HKV, D = 4, 4, 2, 8
 
@@ -81,3 +81,8 @@ def test_a_step_whose_slots_run_on_stores_them_as_one_slice(slots, first):
     ctx = SimpleNamespace(cache=cache, meta=meta)
     BackendOps(KVCache.store, torch_attention).store(ctx, 1, k, v)
     assert torch.equal(cache.data, want)
+
+
+def test_a_run_from_a_padding_slot_is_no_run():
+    """-1 (a padding row's slot) starts no slice: one from -1 would wrap to the cache's end."""
+    assert first_of_run([-1, 0, 1]) is None and first_of_run([0, 1]) == 0

@@ -89,8 +89,8 @@ def first_of_run(slots: list[int] | torch.Tensor) -> int | None:
     """slots[0] if the (host) slots run slots[0], slots[0] + 1, ...; else None."""
     if isinstance(slots, torch.Tensor) or not slots:
         return None
-    first = slots[0]
-    return first if slots == list(range(first, first + len(slots))) else None
+    first = slots[0]  # (a padding slot, -1, is no start: a slice from -1 would wrap)
+    return first if first >= 0 and slots == list(range(first, first + len(slots))) else None
 
 
 def _group_rows(kv_head_of_q: list[int]) -> tuple[int, list[list[int]]]:
