@@ -361,24 +361,14 @@ void softmax_tile(float* S, int M, int64_t group, int64_t first_visible, int64_t
       for (int c = 0; c < D; c += W) store(O + r * D + c, load(O + r * D + c) * alpha);
       m[r] = top;
     }
-    // two sums, so consecutive vectors' exps do not wait on one another's additions
-    vf sum0 = load(l + r * W), sum1 = splat(0.f);
+    vf sum = load(l + r * W);
     const vf scaled = splat(scale2), shift = splat(-m[r] * scale2);
-    int j = 0;
-    for (; j + W < span; j += 2 * W) {
-      const vf e0 = vexp2(load(s + j) * scaled + shift, first_lanes(visible - j));
-      const vf e1 = vexp2(load(s + j + W) * scaled + shift, first_lanes(visible - j - W));
-      Mul::store_p(P + r * KEYS + j, e0);
-      Mul::store_p(P + r * KEYS + j + W, e1);
-      sum0 += e0;
-      sum1 += e1;
-    }
-    if (j < span) {
+    for (int j = 0; j < span; j += W) {
       const vf e = vexp2(load(s + j) * scaled + shift, first_lanes(visible - j));
       Mul::store_p(P + r * KEYS + j, e);
-      sum0 += e;
+      sum += e;
     }
-    store(l + r * W, sum0 + sum1);
+    store(l + r * W, sum);
   }
 }
 
