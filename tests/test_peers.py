@@ -135,3 +135,25 @@ def test_a_machine_that_stays_busy_is_timed_anyway_and_said_so(monkeypatch):
     finally:
         spinner.kill()
         spinner.wait()
+
+
+def test_llama_cpp_runs_from_the_venv_peers_llamacpp_names(tmp_path):
+    """PEERS_LLAMACPP=llamacpp-noamx (scripts/setup_peers.sh's build without AMX): llama.cpp's
+    rows run that venv's interpreter and their labels say so; unset, the `llamacpp` venv's."""
+    code = ("from bench import peers; print(peers.interpreter('llamacpp')); "
+            "print('|'.join(r['label'] for r in peers.rows_to_run(['llamacpp'], ['bfloat16'])))")
+    for venv in ("llamacpp-noamx", None):
+        python = tmp_path / (venv or "llamacpp") / "bin" / "python"
+        python.parent.mkdir(parents=True, exist_ok=True)
+        python.touch()
+        env = {k: v for k, v in os.environ.items() if k != "PEERS_LLAMACPP"}
+        env.update(PEERS_DIR=str(tmp_path), **({"PEERS_LLAMACPP": venv} if venv else {}))
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              env=env, cwd=ROOT, timeout=120)
+        assert done.returncode == 0, done.stderr
+        where, labels = done.stdout.split("\n")[:2]
+        assert where == str(python)
+        named = "llama.cpp (llamacpp-noamx)" if venv else "llama.cpp"
+        assert labels.split("|") == [f"{named} bfloat16, flash-attn on",
+                                     f"{named} bfloat16, flash-attn off",
+                                     f"{named}, Q4_1 as shipped"]
