@@ -150,6 +150,7 @@ def test_an_amx_cpu_multiplies_bf16_in_tiles_and_a_build_without_amx_still_agree
     dot products that such a CPU without AMX runs (Cooper Lake's build, as an EPYC's) are
     checked here against float64 too, with the scores that move the running max."""
     assert fa.bf16_products() == "AMX tiles"
+    assert fa.bf16_products(16) == "AVX512-BF16 pair dot products"  # heads not of whole tiles
     out = run_in_a_build_for("cooperlake", tmp_path, (
         "from tests.test_fused_attention import _pairs_build_matches_float64\n"
         "_pairs_build_matches_float64()\n"
@@ -309,7 +310,10 @@ def test_an_engine_where_it_wins_runs_it_and_keeps_the_tokens(tiny_model_dir, sm
             if choice == "measure":
                 [info] = llm.rank_info()
                 picked = list(calls)
-    assert any(line.startswith("attention") and ": fused (" in line for line in info.kernels)
+    # a bf16 pick says how its products run on this CPU (AMX tiles where it has them)
+    how = f" [bf16 products in {fa.bf16_products(64)}]" if dtype == "bfloat16" else ""
+    assert any(line.startswith("attention") and f": fused{how} (" in line
+               for line in info.kernels)
     # the first prompt whole; the second's last 11 tokens after its 32 cached ones
     assert picked == [(40, 40)] * layers + [(11, 43)] * layers
     assert calls == []  # the built-in choice never runs it

@@ -53,11 +53,15 @@ DTYPES = (torch.float32, torch.bfloat16)
 BF16_PRODUCTS = ("widened float32", "AVX512-BF16 pair dot products", "AMX tiles")
 
 
-def bf16_products() -> str | None:
-    """How a bf16 prompt's products run in this build, on this machine (one of BF16_PRODUCTS;
-    AMX for head sizes of a multiple of 32, else the next), or None where it is not built."""
+def bf16_products(head_dim: int = 64) -> str | None:
+    """How a bf16 prompt's products run in this build, on this machine, for heads of
+    `head_dim` (one of BF16_PRODUCTS: AMX tiles take heads of a multiple of 32, others the
+    pairs), or None where it is not built."""
     kernels = _kernels()
-    return None if kernels is None else BF16_PRODUCTS[kernels.bf16_products()]
+    if kernels is None:
+        return None
+    way = kernels.bf16_products()
+    return BF16_PRODUCTS[1 if way == 2 and head_dim % 32 else way]
 
 
 def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:

@@ -207,6 +207,7 @@ class Pick:
     seconds: dict[str, float] = field(default_factory=dict)
     from_disk: bool = False
     margin: float = MARGIN
+    how: dict[str, str] = field(default_factory=dict)  # how a kernel runs here, where it varies
 
     @property
     def kernel(self) -> str:
@@ -219,8 +220,9 @@ class Pick:
         times = ", ".join(f"{k} {s * 1e3:.3g} ms" for k, s in sorted(self.seconds.items()))
         what = " ".join(filter(None, (self.op, "x".join(map(str, self.shape)))))
         unit = "keys" if self.op in ("decode-attention", "graph-decode-attention") else "rows"
+        how = f" [{self.how[self.kernel]}]" if self.kernel in self.how else ""
         return (f"{what} at {self.rows} {unit}: "
-                f"{self.kernel} ({times}{', kept on disk' if self.from_disk else ''})")
+                f"{self.kernel}{how} ({times}{', kept on disk' if self.from_disk else ''})")
 
 
 @dataclass(slots=True)
@@ -333,12 +335,16 @@ class KernelChoice:
         kernels = attention_kernels(self.dtype)
         # the fused kernel's timings hold for its source only: a changed kernel times again
         source = f"fused {fused_attention.source_hash()}" if "fused" in kernels else ""
+        # its bf16 products: AMX tiles, AVX512-BF16 pairs or widened copies, by CPU
+        how = ({"fused": f"bf16 products in {fused_attention.bf16_products(heads[2])}"}
+               if "fused" in kernels and self.dtype == torch.bfloat16 else {})
         for bucket in range(1, row_bucket(max_tokens) + 1):  # one-token prompts run as decode
             rows = min(4 ** bucket, max_tokens)
             built_in = "sdpa" if fixed_prompt_kernel(rows, self.dtype) is None else "blocked"
-            pick = store.get_or_time(Pick("attention", heads, rows, built_in), self.dtype,
-                                     kernels, lambda: _time_attention(heads, rows, self.dtype,
-                                                                      kernels), source)
+            pick = store.get_or_time(Pick("attention", heads, rows, built_in, how=how),
+                                     self.dtype, kernels,
+                                     lambda: _time_attention(heads, rows, self.dtype, kernels),
+                                     source)
             self.picks.append(pick)
             self._attention[(self.dtype, bucket)] = kernels[pick.kernel]
         self._choose_decode_attention(store, heads, max_context)
