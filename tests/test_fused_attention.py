@@ -118,10 +118,14 @@ def test_the_build_for_an_avx2_only_cpu_matches_float64(tmp_path):
     for that kind of CPU (-march=x86-64-v3) and run on this one: prompts (scores that climb,
     moving the running max) and decode steps (the op's kernel, which the process registers from
     its one build: so in a process of its own), float32 and bf16."""
-    out = run_in_a_build_for("x86-64-v3", tmp_path, (
-        "from tests.test_fused_attention import _avx2_build_matches_float64\n"
-        "_avx2_build_matches_float64()\n"
-        "print('checked')\n"))
+    _runs_in_a_build_for("x86-64-v3", tmp_path, "_avx2_build_matches_float64")
+
+
+def _runs_in_a_build_for(march: str, tmp_path, check: str) -> None:
+    """This module's function `check`, run to its end in a process whose kernels are built for
+    `march` (a process registers one build's op kernels)."""
+    out = run_in_a_build_for(march, tmp_path, (
+        f"from tests.test_fused_attention import {check}\n{check}()\nprint('checked')\n"))
     assert out.split() == ["checked"]
 
 
@@ -151,11 +155,7 @@ def test_an_amx_cpu_multiplies_bf16_in_tiles_and_a_build_without_amx_still_agree
     checked here against float64 too, with the scores that move the running max."""
     assert fa.bf16_products() == "AMX tiles"
     assert fa.bf16_products(16) == "AVX512-BF16 pair dot products"  # heads not of whole tiles
-    out = run_in_a_build_for("cooperlake", tmp_path, (
-        "from tests.test_fused_attention import _pairs_build_matches_float64\n"
-        "_pairs_build_matches_float64()\n"
-        "print('checked')\n"))
-    assert out.split() == ["checked"]
+    _runs_in_a_build_for("cooperlake", tmp_path, "_pairs_build_matches_float64")
 
 
 def _pairs_build_matches_float64() -> None:
