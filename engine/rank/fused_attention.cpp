@@ -163,6 +163,9 @@ bool amx_granted() {
 
 constexpr int TILE_ROWS = 16, TILE_DEPTH = 32, TILE_COLS = 16;  // bf16 A tile 16 x 32, C 16 x 16
 
+// a tile's depth is 32 bf16: the tiles take heads of whole tiles (others run the pairs)
+constexpr bool amx_takes(int64_t head_dim) { return head_dim % TILE_DEPTH == 0; }
+
 // each thread's tile registers: all eight 16 rows of 64 bytes (C: 0-3, A: 4-5, B: 6-7)
 void configure_tiles() {
   struct alignas(64) {
@@ -485,8 +488,7 @@ void attend(const Problem<T>& p, int threads) {
 template <typename T, int D>
 void attend_on(const Problem<T>& p, int threads) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-  // (a tile's depth is 32 bf16: head sizes of whole tiles)
-  if constexpr (std::is_same_v<T, bf16> && D % TILE_DEPTH == 0) {
+  if constexpr (std::is_same_v<T, bf16> && amx_takes(D)) {
     if (amx_granted()) {
       attend<AmxPairs, T, D>(p, threads);
       return;
@@ -930,14 +932,11 @@ int paged_decode_any(const DecodeProblem<T>& p, int64_t head_dim, int threads) {
 
 }  // namespace
 
-// `bfloat16`: 0 float32 tensors, 1 bfloat16 ones. Returns 0: done; 1: a head size this build
-// has no kernel for; 2: out of memory for its buffers. No C++ exception crosses into the caller
-// (ctypes): it would end the process.
-// How this build multiplies a bf16 prompt's tiles here: 2 AMX tiles, 1 AVX512-BF16 pair dot
-// products, 0 widened float32 (head sizes that are no multiple of 32 take the pairs' path)
-extern "C" int bf16_products() {
+// How this build multiplies a bf16 prompt's tiles here, for heads of `head_dim`: 2 AMX tiles,
+// 1 AVX512-BF16 pair dot products, 0 widened float32
+extern "C" int bf16_products(int64_t head_dim) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-  if (amx_granted()) return 2;
+  if (amx_takes(head_dim) && amx_granted()) return 2;
 #endif
 #if defined(__AVX512BF16__)
   return 1;
@@ -946,6 +945,9 @@ extern "C" int bf16_products() {
 #endif
 }
 
+// `bfloat16`: 0 float32 tensors, 1 bfloat16 ones. Returns 0: done; 1: a head size this build
+// has no kernel for; 2: out of memory for its buffers. No C++ exception crosses into the caller
+// (ctypes): it would end the process.
 extern "C" int fused_causal_attention(
     const void* q, int64_t q_stride, const void* k, int64_t k_stride, const void* v,
     int64_t v_stride, void* out, int64_t out_stride, int64_t num_q, int64_t num_k, int64_t hq,

@@ -38,7 +38,7 @@ LIBRARY = CppLibrary(
     Path(__file__).with_suffix(".cpp"), "fused CPU attention",
     {"fused_causal_attention": [_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64,
                                 _i64, _i64, _i64, _float, _int, _int],
-     "bf16_products": [], "register_ops": []},
+     "bf16_products": [_i64], "register_ops": []},
     "prompts keep SDPA and decode graphs their own attention", register="register_ops")
 
 
@@ -55,13 +55,10 @@ BF16_PRODUCTS = ("widened float32", "AVX512-BF16 pair dot products", "AMX tiles"
 
 def bf16_products(head_dim: int = 64) -> str | None:
     """How a bf16 prompt's products run in this build, on this machine, for heads of
-    `head_dim` (one of BF16_PRODUCTS: AMX tiles take heads of a multiple of 32, others the
-    pairs), or None where it is not built."""
+    `head_dim` (one of BF16_PRODUCTS; the kernel says which heads its AMX tiles take), or None
+    where it is not built."""
     kernels = _kernels()
-    if kernels is None:
-        return None
-    way = kernels.bf16_products()
-    return BF16_PRODUCTS[1 if way == 2 and head_dim % 32 else way]
+    return None if kernels is None else BF16_PRODUCTS[kernels.bf16_products(head_dim)]
 
 
 def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
