@@ -26,7 +26,6 @@ Generate = Callable[[list[int], int], tuple[list[int], float | None]]
 
 
 def engine(model: str, dtype: str, threads: int, settings: dict) -> Generate:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import torch
 
     from engine import LLM, SamplingParams
@@ -149,6 +148,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, required=True)
     ap.add_argument("--settings", default="{}", help="JSON: the system's own extra settings")
     args = ap.parse_args()
+    if args.system == "engine":  # as the engine's launchers start it
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        from engine.cpu_runtime import relaunch_preloaded
+
+        relaunch_preloaded()
     started = time.perf_counter()
     generate = SYSTEMS[args.system](args.model, args.dtype, args.threads,
                                     json.loads(args.settings))

@@ -74,6 +74,9 @@ ENGINE_VARIANTS = {
     # every torch tensor of 2 MB or more on transparent huge pages (activations, the KV
     # cache), not only the weights the engine moves itself
     "engine-thp": ("engine, THP_MEM_ALLOC_ENABLE=1", {}, {"THP_MEM_ALLOC_ENABLE": "1"}),
+    # torch's own OpenMP and malloc, where the launchers would preload Intel's and tcmalloc
+    "engine-gnu": ("engine, PREFILL_ENGINE_CPU_RUNTIME=gnu", {},
+                   {"PREFILL_ENGINE_CPU_RUNTIME": "gnu"}),
 }
 
 
@@ -362,8 +365,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--systems", nargs="+", default=["engine", "transformers", "vllm", "llamacpp"],
                     choices=["engine", "engine-fixed", "engine-int8", "engine-gguf",
-                             "engine-eager", "engine-compile", "engine-thp", "transformers",
-                             "vllm", "llamacpp"])
+                             "engine-eager", "engine-compile", "engine-thp", "engine-gnu",
+                             "transformers", "vllm", "llamacpp"])
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--repeats", type=int, default=5)

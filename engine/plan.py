@@ -127,14 +127,14 @@ def _free_gpu_bytes(device: str) -> int:
 
 def make_plan(cfg: EngineConfig, source: str, mc: ModelConfig) -> EnginePlan:
     """Resolve the settings against the model once; a setting that cannot work fails here."""
-    from engine.rank.backend import TORCH, select_backend
+    from engine.rank.backend import resolve_backend
     from engine.rank.quantized import check_int4_shapes
 
     try:
         heads = partition_heads(mc.num_heads, mc.num_kv_heads, cfg.tp)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    backend = "torch" if select_backend(cfg.attention_backend, cfg.device) is TORCH else "triton"
+    backend = resolve_backend(cfg.attention_backend, cfg.device)
     max_model_len = cfg.max_model_len or mc.max_position_embeddings
     if max_model_len > mc.max_position_embeddings:
         raise ConfigError(f"max_model_len={cfg.max_model_len} exceeds the model's context of "

@@ -7,7 +7,7 @@ from omegaconf import DictConfig
 from rich.console import Console
 from rich.table import Table
 
-from engine import SamplingParams
+from engine import SamplingParams, cpu_runtime
 from launcher.hydra_main import boolean, hydra_app, text
 from launcher.build_engine import llm_from_config
 
@@ -44,6 +44,7 @@ def run(cfg: DictConfig, console: Console) -> dict:
             "ttft_s": out.ttft_s, "prefill_tokens_per_s": n_prompt / out.ttft_s,
             "decode_tokens_per_s": (n_out - 1) / (total - out.ttft_s) if n_out > 1 else float("nan"),
             "text": out.text, "finish_reason": out.finish_reason,
+            "cpu_runtime": cpu_runtime.describe(),
         }
     _print(console, prompt, result)
     return result
@@ -57,6 +58,7 @@ def _print(console: Console, prompt: str, r: dict) -> None:
     table.add_row("prefill", f"{r['prefill_tokens_per_s']:.0f} tokens/s")
     table.add_row("decode", f"{r['decode_tokens_per_s']:.1f} tokens/s")
     table.add_row("finish", r["finish_reason"])
+    table.add_row("this process's runtime", r["cpu_runtime"])
     console.print(table)
     # a prompt may hold square brackets: print it as text, not as rich markup
     console.print(prompt, style="bold", end="", markup=False, highlight=False)

@@ -5,6 +5,7 @@ runs under the interpreter, which needs TRITON_INTERPRET=1 set before triton is 
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Callable
@@ -12,7 +13,7 @@ from typing import Callable
 import torch
 
 from engine.errors import ConfigError
-from engine.rank import gemm, ops
+from engine.rank import gemm, layer_ops, ops
 from engine.rank.attention import torch_attention
 from engine.rank.kv_cache import KVCache
 from engine.rank.step_context import BackendOps
@@ -58,6 +59,15 @@ TORCH = Backend("torch", KVCache.store, torch_attention, torch_attention, ops.rm
                 ops.silu_mul, rotate=ops.rotate)
 
 
+def cpu_torch() -> Backend:
+    """TORCH on a CPU: its small ops (RMSNorm, RoPE, SiLU·mul) in C++ (engine.rank.layer_ops)
+    where that library builds here, each rotating at its rows' positions itself."""
+    if not layer_ops.available():
+        return TORCH
+    return dataclasses.replace(TORCH, rmsnorm=layer_ops.rmsnorm, rope=layer_ops.rope,
+                               silu_mul=layer_ops.silu_mul, rotate=None)
+
+
 def _triton() -> Backend:
     import triton  # noqa: F401  (fails here, clearly, when triton is missing)
 
@@ -69,15 +79,22 @@ def _triton() -> Backend:
                    kernels.triton_silu_mul)
 
 
-def select_backend(name: str, device: str) -> Backend:
-    """The backend `name` resolves to on `device`; a choice that cannot run here fails now."""
+def resolve_backend(name: str, device: str) -> str:
+    """"torch" or "triton": what `name` resolves to on `device`; a choice that cannot run here
+    fails now."""
     on_cuda = is_cuda(device)
     if name == "torch" or (name == "auto" and not on_cuda):
-        return TORCH
+        return "torch"
     if name in ("triton", "auto"):
-        if not on_cuda:
-            if os.environ.get("TRITON_INTERPRET") != "1":
-                raise ConfigError("attention_backend='triton' on a CPU needs TRITON_INTERPRET=1 "
-                                  "set before the engine starts (slow: for tests only)")
-        return _triton()
+        if not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ConfigError("attention_backend='triton' on a CPU needs TRITON_INTERPRET=1 "
+                              "set before the engine starts (slow: for tests only)")
+        return "triton"
     raise ConfigError(f"attention_backend={name!r}: use one of {BACKENDS}")
+
+
+def select_backend(name: str, device: str) -> Backend:
+    """The backend `name` resolves to on `device` (resolve_backend)."""
+    if resolve_backend(name, device) == "triton":
+        return _triton()
+    return TORCH if is_cuda(device) else cpu_torch()

@@ -41,26 +41,20 @@ import torch
 from torch import nn
 
 from engine.batch import Batch
+from engine.machine import cache_dir, read_whole, write_whole
 from engine.rank.cuda_graphs import DecodeGraphs, widths_up_to
 from engine.rank.graph_ops import LAYERS_GRAPH_OPS, running
 from engine.rank.kept_graphs import KeptGraph, graph_file
-from engine.rank.kernel_choice import (cache_dir, keep_compiled_code, machine_key, read_whole,
-                                      write_whole)
+from engine.rank.kernel_choice import keep_compiled_code, machine_key
 from engine.rank.kv_cache import KVCache
 from engine.rank.model import last_layer
 from engine.rank.padded_decode import pad_decode_step
 from engine.rank.step_context import StepContext
-from engine.rank.gemm import MATVEC_ROWS
-from engine.rank.quantized import KERNEL_ROWS
+from engine.rank.gemm import EAGER_ROWS, MATVEC_ROWS
 
 DECODE_BUCKETS = (1, 2, 4, 8)
 # dynamo's name for a layer's index (KVStore's and PagedAttention's layer_idx), as a pattern
 LAYER_INDEX_SOURCE = r".*\.layer_idx$"
-# Steps of at most this many tokens (not decode graphs') run eagerly: a projection picks its
-# product by its row count (engine.rank.gemm's streaming loop up to MATVEC_ROWS, a quantized
-# weight's kernel up to KERNEL_ROWS), and a layers graph whose dynamic token count started at
-# or below either threshold would guard on it
-EAGER_ROWS = max(MATVEC_ROWS, KERNEL_ROWS)
 _UNKEPT_MODELS = itertools.count()  # names the graphs of models not kept on disk (a GPU's)
 
 

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from engine.machine import cache_dir
+
 log = logging.getLogger("engine")
 
 FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")  # and -std, and -march: this CPU by default
@@ -79,8 +81,6 @@ class CppLibrary:
     def _load(self) -> ctypes.CDLL | None:
         """From the cache folder, or, where that fails (a folder that cannot be written, a kept
         library that does not load), built afresh in a private temporary folder."""
-        from engine.rank.kernel_choice import cache_dir  # which imports the kernels' modules
-
         compiler = shutil.which(os.environ.get("CXX", "g++"))
         if compiler is None:
             log.warning("the %s is unavailable here (no C++ compiler: set CXX, or install g++); "

@@ -39,6 +39,10 @@ inline vf load(const float* p) { vf v; std::memcpy(&v, p, sizeof v); return v; }
 // W values widened to float32
 inline vf load_widened(const float* p) { return load(p); }
 inline vf load_widened(const bf16* p) {
+#if defined(__AVX512F__)
+  // one widening of all 16 (gcc's generic conversion widened two halves and joined them)
+  return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16);
+#else
   typedef uint16_t vh __attribute__((vector_size(W * 2)));
   vh halves;
   std::memcpy(&halves, p, sizeof halves);
@@ -46,6 +50,7 @@ inline vf load_widened(const bf16* p) {
   vf v;
   std::memcpy(&v, &bits, sizeof v);
   return v;
+#endif
 }
 inline void store(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 
@@ -101,6 +106,9 @@ inline vf exp_lanes(vf x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.f;
+#if defined(__AVX512F__)
+  return (vf)_mm512_scalef_ps((__m512)p, (__m512)n);  // p 2^n in one instruction
+#endif
   // 2^n as a float's exponent field, in two factors so that n = -127 (x near -88) stays finite
   const vi half = __builtin_convertvector(n, vi) >> 1;
   const vi low = (half + 127) << 23, high = (__builtin_convertvector(n, vi) - half + 127) << 23;
@@ -115,6 +123,16 @@ template <typename T>
 inline vf rounded_as(vf v);
 template <>
 inline vf rounded_as<float>(vf v) { return v; }
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+// AVX512-BF16 rounds 16 floats to bf16 in one instruction (to nearest even, a NaN stays a NaN;
+// it flushes values below bf16's smallest normal, ~1.2e-38, to zero, as the integer rounding
+// below does not)
+inline __m256i narrowed_lanes(vf v) { return (__m256i)_mm512_cvtneps_pbh((__m512)v); }
+template <>
+inline vf rounded_as<bf16>(vf v) {
+  return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(narrowed_lanes(v)), 16);
+}
+#else
 template <>
 inline vf rounded_as<bf16>(vf v) {
   typedef uint32_t vu __attribute__((vector_size(W * 4)));
@@ -125,9 +143,13 @@ inline vf rounded_as<bf16>(vf v) {
   std::memcpy(&out, &rounded, sizeof out);
   return v != v ? v : out;
 }
+#endif
 
 // W floats stored as T (bf16: rounded to nearest even)
 inline void store_narrowed(float* p, vf v) { store(p, v); }
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+inline void store_narrowed(bf16* p, vf v) { _mm256_storeu_si256((__m256i*)p, narrowed_lanes(v)); }
+#else
 inline void store_narrowed(bf16* p, vf v) {
   typedef uint32_t vu __attribute__((vector_size(W * 4)));
   typedef uint16_t vh __attribute__((vector_size(W * 2)));
@@ -137,3 +159,4 @@ inline void store_narrowed(bf16* p, vf v) {
   const vh halves = __builtin_convertvector(bits >> 16, vh);
   std::memcpy(p, &halves, sizeof halves);
 }
+#endif

@@ -66,6 +66,11 @@ def _onednn_only(x: torch.Tensor, weight: torch.Tensor,
 # each weight read. bf16 weights are widened inside the loop, element by element: the same
 # graph read them at 3.2x torch's bf16 matrix-vector product on the AMX Xeon (session 34).
 MATVEC_ROWS = 2
+# Steps of at most this many tokens (not decode graphs') run eagerly (engine.rank.compiled): a
+# projection picks its product by its row count (the streaming loop up to MATVEC_ROWS, a
+# quantized weight's kernel up to KERNEL_ROWS), and a layers graph whose dynamic token count
+# started at or below either threshold would guard on it
+EAGER_ROWS = max(MATVEC_ROWS, KERNEL_ROWS)
 
 
 def few_fixed_rows(x: torch.Tensor) -> bool:

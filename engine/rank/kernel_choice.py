@@ -20,10 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import logging
 import os
-import platform
 import time
 from dataclasses import dataclass, field
 from functools import partial
@@ -34,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.machine import cache_dir, cpu_description, read_whole, write_whole
 from engine.rank import fused_attention, gemm, ops, quantized_rows
 from engine.rank.attention import (fixed_prompt_kernel, float32_decode_attention,
                                    sdpa_attention, torch_attention)
@@ -282,10 +281,12 @@ class KernelChoice:
         return gemm.linear(x, weight, bias)  # graphs, packed or mixed-dtype weights, unmeasured
 
     def gated_linear(self, x: torch.Tensor, weight: torch.Tensor | QuantizedWeight,
-                     bias: torch.Tensor | None = None) -> torch.Tensor:
+                     bias: torch.Tensor | None = None,
+                     silu_mul: Callable = ops.silu_mul) -> torch.Tensor:
         """The MLP's SiLU(x W_gateᵀ) · (x W_upᵀ) (Backend.gated_linear): through oneDNN's
         fused halves for a gate/up shape picked so (its graph op finds the halves at run
-        time, and runs decode-sized rows as below), else `linear`, then the SiLU·mul."""
+        time, and runs decode-sized rows as below), else `linear`, then `silu_mul` (the
+        backend's)."""
         if (bias is None and isinstance(weight, torch.Tensor) and x.dim() == 2
                 and tuple(weight.shape) == self.gated_prompt_shape and x.dtype == weight.dtype
                 and not weight.is_mkldnn and not gemm.few_fixed_rows(x)):
@@ -293,7 +294,7 @@ class KernelChoice:
                 return gemm.gated_product(x, weight)
             if x.shape[0] > gemm.PLAIN_WEIGHT_ROWS:
                 return gemm.eager_gated_product(x, weight)
-        return ops.silu_mul(self.linear(x, weight, bias))
+        return silu_mul(self.linear(x, weight, bias))
 
     def prompt_kernel(self, q_len: int, dtype: torch.dtype) -> Callable | None:
         """The attention of a prompt (or prompt chunk) of q_len > 1 tokens: the picked kernel
@@ -535,7 +536,9 @@ class KernelChoice:
         chosen = partial(torch_attention, prompt_kernel=self.prompt_kernel,
                          decode_kernel=self.decode_kernel)
         return dataclasses.replace(backend, linear=self.linear, attention=chosen,
-                                   decode_attention=chosen, gated_linear=self.gated_linear)
+                                   decode_attention=chosen,
+                                   gated_linear=partial(self.gated_linear,
+                                                        silu_mul=backend.silu_mul))
 
     def describe(self) -> list[str]:
         return [p.describe() for p in self.picks]
@@ -673,23 +676,7 @@ def _time_attention(heads: tuple[int, int, int], tokens: int, dtype: torch.dtype
 def machine_key() -> str:
     """What a timing depends on besides the shape: the CPU model and its vector extensions,
     the torch build and the threads it runs."""
-    model, flags = platform.processor(), ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            lines = f.read().splitlines()
-        model = next((l.split(":", 1)[1].strip() for l in lines if l.startswith("model name")),
-                     model)
-        present = set(next((l.split(":", 1)[1].split() for l in lines if l.startswith("flags")),
-                           []))
-        flags = ",".join(f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in present)
-    except OSError:
-        pass
-    return f"{model}|{flags}|torch {torch.__version__}|{torch.get_num_threads()} threads"
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("PREFILL_ENGINE_CACHE")
-                or Path.home() / ".cache" / "prefill-engine")
+    return f"{cpu_description()}|torch {torch.__version__}|{torch.get_num_threads()} threads"
 
 
 def keep_compiled_code() -> str:
@@ -735,23 +722,3 @@ class TimingStore:
         at once lose at most each other's new entries (measured again next time)."""
         if self.changed:
             write_whole(self.path, self.entries)
-
-
-def read_whole(path: Path) -> dict:
-    """What `write_whole` kept at `path`; {} where nothing readable is."""
-    try:
-        entries = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return entries if isinstance(entries, dict) else {}
-
-
-def write_whole(path: Path, entries: dict) -> None:
-    """`entries` as JSON at `path`, through a rename, so a reader never sees half a file."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(entries, indent=0, sort_keys=True))
-        os.replace(tmp, path)
-    except OSError:
-        pass  # a read-only home: the choice holds for this run, it is just not kept

@@ -1,0 +1,53 @@
+"""The machine the engine runs on, and where it keeps what it measured there (kernel timings,
+compiled code and graphs, built C++ kernels, the CPU runtime's choice). Imports no torch: a
+launcher asks before it starts the engine."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+from pathlib import Path
+
+# the vector extensions a kept measurement depends on
+KEY_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+
+
+def cpu_description() -> str:
+    """The CPU's model name and which of KEY_FLAGS it has: `model|flag,flag`."""
+    model, flags = platform.processor(), ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = f.read().splitlines()
+        model = next((l.split(":", 1)[1].strip() for l in lines if l.startswith("model name")),
+                     model)
+        present = set(next((l.split(":", 1)[1].split() for l in lines if l.startswith("flags")),
+                           []))
+        flags = ",".join(f for f in KEY_FLAGS if f in present)
+    except OSError:
+        pass
+    return f"{model}|{flags}"
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("PREFILL_ENGINE_CACHE")
+                or Path.home() / ".cache" / "prefill-engine")
+
+
+def read_whole(path: Path) -> dict:
+    """What `write_whole` kept at `path`; {} where nothing readable is."""
+    try:
+        entries = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return entries if isinstance(entries, dict) else {}
+
+
+def write_whole(path: Path, entries: dict) -> None:
+    """`entries` as JSON at `path`, through a rename, so a reader never sees half a file."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(entries, indent=0, sort_keys=True))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only home: the choice holds for this run, it is just not kept

@@ -1,0 +1,83 @@
+"""engine.cpu_runtime: Intel's OpenMP and tcmalloc preloaded by the launchers where they won on
+this machine: the choice measured once and kept, the relaunch of a real app, and no relaunch of
+a program that only imported one."""
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine import cpu_runtime
+from launcher import generate
+from launcher.hydra_main import _runs_as_program
+
+ROOT = Path(__file__).resolve().parents[1]
+X86_LINUX = platform.machine() == "x86_64" and sys.platform == "linux"
+
+
+@pytest.mark.skipif(not X86_LINUX, reason="the intel-openmp wheel is x86-64 Linux's")
+def test_setup_installs_intel_openmp():
+    libraries = cpu_runtime.intel_libraries()
+    assert libraries and Path(libraries[-1]).name == "libiomp5.so", libraries
+    assert Path(libraries[-1]).is_file()
+
+
+@pytest.mark.skipif(not X86_LINUX, reason="the intel-openmp wheel is x86-64 Linux's")
+@pytest.mark.parametrize("runtime,says", [("intel", "Intel's OpenMP"), ("gnu", "torch's own")])
+def test_generate_relaunches_itself_preloaded_where_asked(runtime, says):
+    env = {**os.environ, cpu_runtime.CHOICE_ENV: runtime, "COLUMNS": "200"}
+    env.pop(cpu_runtime.RELAUNCHED_ENV, None)
+    env.pop("LD_PRELOAD", None)
+    done = subprocess.run([sys.executable, "-m", "launcher.generate", "max_tokens=2"], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    line = next(l for l in done.stdout.splitlines() if "this process's runtime" in l)
+    assert says in line, line
+
+
+def test_the_choice_is_measured_once_and_kept(monkeypatch, tmp_path):
+    monkeypatch.setenv("PREFILL_ENGINE_CACHE", str(tmp_path))
+    monkeypatch.delenv(cpu_runtime.CHOICE_ENV, raising=False)
+    monkeypatch.setattr(cpu_runtime, "intel_libraries", lambda: ["/lib/libiomp5.so"])
+    measured = []
+    monkeypatch.setattr(cpu_runtime, "measure", lambda: measured.append(1) or
+                        {"choice": "intel", "intel_s": 1.0, "gnu_s": 2.0})
+    assert cpu_runtime.choice() == "intel" and cpu_runtime.choice() == "intel"
+    assert measured == [1]
+    assert (tmp_path / "cpu_runtime.json").is_file()
+    monkeypatch.setattr(cpu_runtime, "intel_libraries", lambda: ["/other/libiomp5.so"])
+    cpu_runtime.choice()  # other libraries: measured again
+    assert measured == [1, 1]
+
+
+@pytest.mark.skipif(not X86_LINUX, reason="the intel-openmp wheel is x86-64 Linux's")
+def test_measure_times_the_probe_both_ways(monkeypatch):
+    monkeypatch.setattr(cpu_runtime, "PROBE_ROUNDS", 1)
+    got = cpu_runtime.measure()
+    assert got["intel_s"] > 0 and got["gnu_s"] > 0
+    # the rule, from the two times: preloading must win by the margin
+    assert got["choice"] == ("intel" if got["intel_s"] * cpu_runtime.MARGIN < got["gnu_s"]
+                             else "gnu")
+
+
+def test_a_bad_setting_names_the_fix(monkeypatch):
+    monkeypatch.setenv(cpu_runtime.CHOICE_ENV, "fast")
+    with pytest.raises(ValueError, match="PREFILL_ENGINE_CPU_RUNTIME='fast': use one of"):
+        cpu_runtime.choice()
+
+
+def test_a_program_that_imports_an_app_is_not_relaunched(monkeypatch):
+    assert not _runs_as_program(generate.main.__wrapped__)  # pytest is this program
+    relaunched = []
+    monkeypatch.setattr(os, "execve", lambda *a: relaunched.append(a))
+    monkeypatch.setenv(cpu_runtime.RELAUNCHED_ENV, "/lib/libmine.so")
+    monkeypatch.setenv("LD_PRELOAD", "/lib/libmine.so:/lib/libiomp5.so")
+    cpu_runtime.relaunch_preloaded()  # once relaunched, never again
+    assert relaunched == []
+    # and what it starts gets the environment it was started with
+    assert os.environ["LD_PRELOAD"] == "/lib/libmine.so"
+    assert cpu_runtime.RELAUNCHED_ENV not in os.environ
