@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.rank import ops
+from engine.rank import layer_ops, ops
 
 HQ, HKV, D = 6, 2, 16
 
@@ -80,7 +80,9 @@ def _check_rope(rows: int, dtype: torch.dtype, atol: float) -> None:
 def test_an_engine_step_rotates_q_and_k_in_one_pass(tiny_model_dir, monkeypatch):
     """In the engine's own steps (inference mode, the QKV projection's output) every layer's
     RoPE is one rotation over q's and k's heads together, at cos/sin rows gathered once per
-    step, and the tokens are those of the rotation done apart."""
+    step, and the tokens are those of the rotation done apart: torch's path, which a CPU rank
+    runs where the C++ layer ops (engine.rank.layer_ops) do not build."""
+    monkeypatch.setattr(layer_ops, "available", lambda: False)
     cfg = json.loads((tiny_model_dir("llama") / "config.json").read_text())
     heads = cfg["num_attention_heads"] + cfg["num_key_value_heads"]
     rotated, rotate = [], ops._rotated

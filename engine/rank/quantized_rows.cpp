@@ -34,6 +34,7 @@
 #include <omp.h>
 
 #include "cpu_vectors.h"
+#include "layer_rows.h"
 #include "torch_ops.h"
 
 namespace {
@@ -347,35 +348,12 @@ void project(const T* x, int64_t rows, int64_t k, const at::Tensor& codes,
   }
 }
 
-// residual += x (the next residual, in place) and normed = weight * RMSNorm(residual), rounded
-// where engine.rank.ops.rmsnorm rounds: the sum, the normalised row, the product
+// residual += x (the next residual, in place) and normed = weight * RMSNorm(residual)
 template <typename T>
 void add_norm(const T* x, T* residual, const T* weight, float eps, int64_t rows, int64_t d,
               T* normed) {
   for (int64_t r = 0; r < rows; ++r) {
-    T* const sum = residual + r * d;
-    const T* const in = x + r * d;
-    vf squares = splat(0.f);
-    float tail = 0.f;
-    int64_t i = 0;
-    for (; i + W <= d; i += W) {
-      const vf v = rounded_as<T>(load_widened(in + i) + load_widened(sum + i));
-      store_narrowed(sum + i, v);
-      squares += v * v;
-    }
-    for (; i < d; ++i) {
-      narrow(widen(in[i]) + widen(sum[i]), sum + i);
-      tail += widen(sum[i]) * widen(sum[i]);
-    }
-    const float scale = 1.f / std::sqrt((hsum(squares) + tail) / static_cast<float>(d) + eps);
-    T* const out = normed + r * d;
-    for (i = 0; i + W <= d; i += W)
-      store_narrowed(out + i, load_widened(weight + i) * rounded_as<T>(load_widened(sum + i) * scale));
-    for (; i < d; ++i) {
-      T h;
-      narrow(widen(sum[i]) * scale, &h);
-      narrow(widen(weight[i]) * widen(h), out + i);
-    }
+    add_rmsnorm_row(x + r * d, residual + r * d, weight, normed + r * d, residual + r * d, d, eps);
   }
 }
 
@@ -387,42 +365,24 @@ void add_bias(T* y, const T* bias, int64_t rows, int64_t n) {
 }
 
 // The first `heads` heads of each row of qkv [rows][width] (q's, then k's) rotated in place by
-// the row's position (rotate-half layout; cos/sin [positions][d/2] float32), in float32
+// the row's position (rotate-half layout; cos/sin [positions][d/2] float32)
 template <typename T>
 void rotate(T* qkv, int64_t rows, int64_t width, int64_t heads, int64_t head_dim,
             const float* cos, const float* sin, const int32_t* positions) {
   const int64_t half = head_dim / 2;
   for (int64_t r = 0; r < rows; ++r) {
-    const float *c = cos + positions[r] * half, *s = sin + positions[r] * half;
     for (int64_t h = 0; h < heads; ++h) {
       T* v = qkv + r * width + h * head_dim;
-      for (int64_t i = 0; i < half; ++i) {
-        const float x1 = widen(v[i]), x2 = widen(v[i + half]);
-        narrow(x1 * c[i] - x2 * s[i], v + i);
-        narrow(x2 * c[i] + x1 * s[i], v + i + half);
-      }
+      rotate_head(v, cos + positions[r] * half, sin + positions[r] * half, v, half);
     }
   }
 }
 
-// out [rows][ffn] = SiLU(gate) * up from gate_up [rows][2 ffn], SiLU rounded to T before the
-// product, as engine.rank.ops.silu_mul's F.silu(gate).mul_(up)
+// out [rows][ffn] = SiLU(gate) * up from gate_up [rows][2 ffn]
 template <typename T>
 void silu_mul(const T* gate_up, int64_t rows, int64_t ffn, T* out) {
   for (int64_t r = 0; r < rows; ++r) {
-    const T *gate = gate_up + r * 2 * ffn, *up = gate + ffn;
-    T* o = out + r * ffn;
-    int64_t i = 0;
-    for (; i + W <= ffn; i += W) {
-      const vf g = load_widened(gate + i);
-      store_narrowed(o + i, rounded_as<T>(g / (1.f + exp_lanes(-g))) * load_widened(up + i));
-    }
-    for (; i < ffn; ++i) {
-      const float g = widen(gate[i]);
-      T silu;
-      narrow(g / (1.f + std::exp(-g)), &silu);
-      narrow(widen(silu) * widen(up[i]), o + i);
-    }
+    silu_mul_row(gate_up + r * 2 * ffn, gate_up + r * 2 * ffn + ffn, out + r * ffn, ffn);
   }
 }
 
