@@ -123,16 +123,6 @@ template <typename T>
 inline vf rounded_as(vf v);
 template <>
 inline vf rounded_as<float>(vf v) { return v; }
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-// AVX512-BF16 rounds 16 floats to bf16 in one instruction (to nearest even, a NaN stays a NaN;
-// it flushes values below bf16's smallest normal, ~1.2e-38, to zero, as the integer rounding
-// below does not)
-inline __m256i narrowed_lanes(vf v) { return (__m256i)_mm512_cvtneps_pbh((__m512)v); }
-template <>
-inline vf rounded_as<bf16>(vf v) {
-  return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32(narrowed_lanes(v)), 16);
-}
-#else
 template <>
 inline vf rounded_as<bf16>(vf v) {
   typedef uint32_t vu __attribute__((vector_size(W * 4)));
@@ -143,13 +133,9 @@ inline vf rounded_as<bf16>(vf v) {
   std::memcpy(&out, &rounded, sizeof out);
   return v != v ? v : out;
 }
-#endif
 
 // W floats stored as T (bf16: rounded to nearest even)
 inline void store_narrowed(float* p, vf v) { store(p, v); }
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
-inline void store_narrowed(bf16* p, vf v) { _mm256_storeu_si256((__m256i*)p, narrowed_lanes(v)); }
-#else
 inline void store_narrowed(bf16* p, vf v) {
   typedef uint32_t vu __attribute__((vector_size(W * 4)));
   typedef uint16_t vh __attribute__((vector_size(W * 2)));
@@ -159,4 +145,3 @@ inline void store_narrowed(bf16* p, vf v) {
   const vh halves = __builtin_convertvector(bits >> 16, vh);
   std::memcpy(p, &halves, sizeof halves);
 }
-#endif
