@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
+from engine.errors import ConfigError
 from engine.machine import cache_dir, cpu_description, read_whole, write_whole
 
 if TYPE_CHECKING:
@@ -87,8 +88,8 @@ def choice() -> str:
     asked = os.environ.get(CHOICE_ENV)
     if asked is not None:
         if asked not in CHOICES:
-            raise ValueError(f"{CHOICE_ENV}={asked!r}: use one of {CHOICES}, or unset it to "
-                             f"measure")
+            raise ConfigError(f"{CHOICE_ENV}={asked!r}: use one of {CHOICES}, or unset it to "
+                              f"measure")
         return asked
     libraries = intel_libraries()
     if not libraries:
@@ -97,7 +98,12 @@ def choice() -> str:
     kept = read_whole(path)
     key = _key(libraries)
     if kept.get(key, {}).get("choice") not in CHOICES:
-        kept[key] = measure()
+        try:
+            kept[key] = measure()
+        except (OSError, subprocess.SubprocessError, RuntimeError) as e:
+            # kept too: a later start does not probe (and fail) again
+            log.warning("could not measure the CPU runtimes (%s); keeping torch's own", e)
+            kept[key] = {"choice": "gnu", "error": str(e)[-300:]}
         write_whole(path, kept)
     return kept[key]["choice"]
 
@@ -118,9 +124,9 @@ def relaunch_preloaded() -> None:
         return
     try:
         use = choice() == "intel"
-    except (OSError, subprocess.SubprocessError, RuntimeError) as e:
-        log.warning("could not measure the CPU runtimes (%s); keeping torch's own", e)
-        return
+    except ConfigError as e:  # as a launcher reports a bad setting: one line, exit code 2
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
     if use and not intel_libraries():
         log.warning("%s=intel, but this environment has no Intel OpenMP (pip install "
                     "intel-openmp); keeping torch's own", CHOICE_ENV)

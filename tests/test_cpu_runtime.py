@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from engine import cpu_runtime
+from engine.errors import ConfigError
 from launcher import generate
 from launcher.hydra_main import _runs_as_program
 
@@ -64,10 +65,29 @@ def test_measure_times_the_probe_both_ways(monkeypatch):
                              else "gnu")
 
 
-def test_a_bad_setting_names_the_fix(monkeypatch):
+def test_a_bad_setting_names_the_fix(monkeypatch, capsys):
     monkeypatch.setenv(cpu_runtime.CHOICE_ENV, "fast")
-    with pytest.raises(ValueError, match="PREFILL_ENGINE_CPU_RUNTIME='fast': use one of"):
+    monkeypatch.delenv(cpu_runtime.RELAUNCHED_ENV, raising=False)
+    with pytest.raises(ConfigError, match="PREFILL_ENGINE_CPU_RUNTIME='fast': use one of"):
         cpu_runtime.choice()
+    with pytest.raises(SystemExit) as ended:  # a launcher: one line and exit code 2
+        cpu_runtime.relaunch_preloaded()
+    assert ended.value.code == 2
+    assert capsys.readouterr().err.startswith("error: PREFILL_ENGINE_CPU_RUNTIME='fast'")
+
+
+def test_a_failed_probe_keeps_torchs_runtime_and_is_not_repeated(monkeypatch, tmp_path):
+    monkeypatch.setenv("PREFILL_ENGINE_CACHE", str(tmp_path))
+    monkeypatch.delenv(cpu_runtime.CHOICE_ENV, raising=False)
+    monkeypatch.setattr(cpu_runtime, "intel_libraries", lambda: ["/lib/libiomp5.so"])
+    failed = []
+
+    def failing() -> dict:
+        failed.append(1)
+        raise RuntimeError("the intel probe failed: Segmentation fault")
+    monkeypatch.setattr(cpu_runtime, "measure", failing)
+    assert cpu_runtime.choice() == "gnu" and cpu_runtime.choice() == "gnu"
+    assert failed == [1]
 
 
 def test_a_program_that_imports_an_app_is_not_relaunched(monkeypatch):
