@@ -3,9 +3,9 @@ malloc), or Intel's OpenMP (the `intel-openmp` wheel scripts/setup.sh installs) 
 (where the system has it) preloaded, whichever ran a layer's ops faster on this machine.
 
 Why: a layer is ~10 OpenMP regions (projections, attention, the small ops) with Python between
-them, and every region must wake the other threads. On the 2-core AMX Xeon a bf16 512-token
-SmolLM2 step took ~147 ms with libgomp and glibc's malloc, ~108 ms with both preloaded (vLLM's
-CPU guide runs it so too); `python -m bench.peers` rows are in BENCHMARKS.md.
+them, and every region must wake the other threads, and a prompt's temporaries go through the
+allocator (vLLM's CPU guide runs it preloaded so too). `python -m bench.peers`'s `engine` and
+`engine-gnu` rows compare the two (BENCHMARKS.md, session 55).
 
 A library can only be preloaded when a process starts, so the engine's launchers (every Hydra
 app, `prefill`, bench.peers's engine rows) call `relaunch_preloaded()` first: where preloading
@@ -71,9 +71,9 @@ def describe() -> str:
     return "Intel's OpenMP" + (", tcmalloc" if len(names) > 1 else "") + " (preloaded)"
 
 
-def preloaded_env(env: dict[str, str] | None = None) -> dict[str, str]:
-    """`env` (default: this process's) with intel_libraries() first in LD_PRELOAD."""
-    env = dict(os.environ if env is None else env)
+def preloaded_env() -> dict[str, str]:
+    """This process's environment with intel_libraries() first in LD_PRELOAD."""
+    env = dict(os.environ)
     libraries = intel_libraries()
     if libraries:
         env["LD_PRELOAD"] = ":".join([*libraries, *filter(None, [env.get("LD_PRELOAD")])])

@@ -1,6 +1,6 @@
 """The machine the engine runs on, and where it keeps what it measured there (kernel timings,
-compiled code and graphs, built C++ kernels, the CPU runtime's choice). Imports no torch: a
-launcher asks before it starts the engine."""
+compiled code and graphs, built C++ kernels, the CPU runtime's choice): shared by
+engine.rank.kernel_choice and engine.cpu_runtime, and needing no torch itself."""
 from __future__ import annotations
 
 import json

@@ -15,6 +15,6 @@ def main() -> None:
     if len(sys.argv) < 2 or sys.argv[1] not in APPS:
         print(f"usage: prefill {{{'|'.join(APPS)}}} [key=value ...]", file=sys.stderr)
         sys.exit(2)
-    relaunch_preloaded()  # before the app's imports: Intel's OpenMP and tcmalloc, where they win
+    relaunch_preloaded()  # Intel's OpenMP and tcmalloc, where they win here
     app = sys.argv.pop(1)
     importlib.import_module(APPS[app]).main()

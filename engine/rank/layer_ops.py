@@ -4,8 +4,8 @@ computes with its roundings.
 
 They are registered ops (prefill::add_rmsnorm, prefill::rope, prefill::silu_mul), so a prompt's
 compiled graph calls each as one opaque step instead of inductor's code for the same math (its
-RoPE wrote float32 copies of q's and k's halves: 0.67 ms for a bf16 512-token SmolLM2 layer on
-the AMX Xeon, 0.05 ms here); eager steps call them too. A CPU rank's backend takes these
+RoPE wrote float32 copies of q's and k's halves, on one thread where it gathered the cos/sin
+rows); eager steps call them too. A CPU rank's backend takes these
 functions only where the library builds (engine.rank.backend.cpu_torch); tensors they do not
 take (not float32/bf16, not on a CPU, a decode graph's few rows) run torch's code
 (engine.rank.ops).

@@ -353,7 +353,8 @@ template <typename T>
 void add_norm(const T* x, T* residual, const T* weight, float eps, int64_t rows, int64_t d,
               T* normed) {
   for (int64_t r = 0; r < rows; ++r) {
-    add_rmsnorm_row(x + r * d, residual + r * d, weight, normed + r * d, residual + r * d, d, eps);
+    T* const sum = residual + r * d;  // in place
+    add_rmsnorm_row(x + r * d, sum, weight, normed + r * d, sum, d, eps);
   }
 }
 
