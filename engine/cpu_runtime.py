@@ -63,12 +63,16 @@ def loaded() -> list[str]:
     return [lib for lib in intel_libraries() if Path(lib).name in maps]
 
 
+def openmp() -> str:
+    """Which OpenMP this process runs: "intel" (preloaded) or "gnu" (torch's own)."""
+    return "intel" if any(Path(lib).name.startswith("libiomp5") for lib in loaded()) else "gnu"
+
+
 def describe() -> str:
     """Which OpenMP and malloc this process runs, for a report."""
-    names = [Path(lib).name for lib in loaded()]
-    if not any(name.startswith("libiomp5") for name in names):
+    if openmp() == "gnu":
         return "torch's own: GNU OpenMP, the C library's malloc"
-    return "Intel's OpenMP" + (", tcmalloc" if len(names) > 1 else "") + " (preloaded)"
+    return "Intel's OpenMP" + (", tcmalloc" if len(loaded()) > 1 else "") + " (preloaded)"
 
 
 def preloaded_env() -> dict[str, str]:

@@ -285,44 +285,50 @@ def _both_choices(path: str, compile: bool, recorded: list) -> tuple[dict, dict,
     return outs, infos, logits, seen
 
 
-def _prompt_copies_timed(monkeypatch, speedup: float) -> list[int]:
-    """Prompt copies timed `speedup` times faster than the plain weights; the rows timed."""
+def _prompt_copies_timed(monkeypatch, speedup: float | dict) -> list[int]:
+    """Each shape's prompt copy timed `speedup` times faster than its plain weight (a dict:
+    per shape); the rows each timing ran."""
     rows = []
 
-    def timed(plain, weights, n):
+    def timed(plain, weight, n):
         rows.append(n)
-        return {"plain": 1e-3 * speedup, "packed": 1e-3}
+        times = speedup.get(tuple(weight.shape), 1.0) if isinstance(speedup, dict) else speedup
+        return {"plain": 1e-3 * times, "packed": 1e-3}
 
-    monkeypatch.setattr(kc, "_time_prompt_copies", timed)
+    monkeypatch.setattr(kc, "_time_prompt_copy", timed)
     return rows
 
 
 @needs_onednn
-@pytest.mark.parametrize("speedup,packed", [(1.01, False), (1.05, True)])
-def test_prompt_copies_are_one_pick_with_a_margin_of_their_own(cache, monkeypatch, speedup,
-                                                               packed):
-    """One pick over every projection shape but the LM head's, timed at a prompt's rows (the
-    token budget where smaller); packed copies win beyond PROMPT_COPY_MARGIN (below the other
-    picks' MARGIN), and then the prompt-sized buckets run oneDNN, which reads them."""
-    rows = _prompt_copies_timed(monkeypatch, speedup)
+def test_prompt_copies_are_picked_shape_by_shape_with_a_margin_of_their_own(cache, monkeypatch):
+    """A pick per projection shape but the LM head's, timed at a prompt's rows (the token
+    budget where smaller); a shape's packed copy wins beyond PROMPT_COPY_MARGIN (below the other
+    picks' MARGIN), and then that shape's prompt-sized buckets run oneDNN, which reads it; the
+    other shapes keep their plain weights and kernels."""
+    rows = _prompt_copies_timed(monkeypatch, {(48, 32): 1.05, (64, 32): 1.01})
     weights = [torch.randn(out, 32) for out in (48, 64, 80)]
     choice = kc.KernelChoice(torch.float32)
     choice.measure(weights, HEADS, 64, lm_head_shape=(80, 32))
-    [pick] = [p for p in choice.picks if p.op == "prompt-weights"]
-    assert rows == [64] and pick.shape == ((48, 32), (64, 32)) and pick.rows == 64
+    picks = {p.shape: p for p in choice.picks if p.op == "prompt-weights"}
+    assert rows == [64, 64] and set(picks) == {(48, 32), (64, 32)}
+    assert all(p.rows == 64 for p in picks.values())
     assert kc.PROMPT_COPY_MARGIN < 1.05 < kc.MARGIN
-    assert choice.packed_prompt_shapes == ({(48, 32), (64, 32)} if packed else set())
+    assert picks[(48, 32)].kernel == "packed" and picks[(64, 32)].kernel == "plain"
+    assert choice.packed_prompt_shapes == {(48, 32)}
     prompt_bucket, decode_bucket = kc.row_bucket(64), kc.row_bucket(gemm.PLAIN_WEIGHT_ROWS)
-    for shape in ((48, 32), (64, 32)):
-        reads_copies = choice._linear[(*shape, prompt_bucket)] is gemm.eager_onednn_linear
-        assert reads_copies or not packed
+    assert choice._linear[(48, 32, prompt_bucket)] is gemm.eager_onednn_linear
+    plain_prompt = [p for p in choice.picks if p.op == "linear" and p.shape == (64, 32)
+                    and p.rows == 64]
+    assert (choice._linear[(64, 32, prompt_bucket)] is not gemm.eager_onednn_linear
+            or plain_prompt[0].kernel == "onednn")
+    for shape in ((48, 32), (64, 32)):  # decode-sized products keep their own picks
         assert choice._linear[(*shape, decode_bucket)] is not gemm.eager_onednn_linear or (
             [p for p in choice.picks if p.op == "linear" and p.shape == shape
              and p.rows == gemm.PLAIN_WEIGHT_ROWS][0].kernel == "onednn")
     # a token budget of at most PLAIN_WEIGHT_ROWS: no prompt is long enough to gain
     small = kc.KernelChoice(torch.float32)
     small.measure(weights, HEADS, gemm.PLAIN_WEIGHT_ROWS)
-    assert not [p for p in small.picks if p.op == "prompt-weights"] and rows == [64]
+    assert not [p for p in small.picks if p.op == "prompt-weights"] and rows == [64, 64]
 
 
 @needs_onednn
@@ -337,7 +343,7 @@ def test_prompt_copies_that_would_crowd_memory_are_not_offered(cache, monkeypatc
         choice.measure(weights, HEADS, 64)
         assert bool([p for p in choice.picks if p.op == "prompt-weights"]) == offered
         assert bool(choice.packed_prompt_shapes) == offered
-    assert rows == [64]
+    assert rows == [64, 64]
 
 
 @needs_onednn
@@ -518,8 +524,8 @@ def test_bf16_decode_reads_packed_copies_where_they_won(tiny_model_dir, cache, m
     onednn_only = gemm._onednn_only  # where products with a packed weight go
     monkeypatch.setattr(gemm, "_onednn_only",
                         lambda x, w, b: packed_products.append(len(x)) or onednn_only(x, w, b))
-    monkeypatch.setattr(kc, "_time_prompt_copies",  # prompts keep the plain weights here
-                        lambda plain, weights, rows: {"plain": 1e-3, "packed": 2e-3})
+    monkeypatch.setattr(kc, "_time_prompt_copy",  # prompts keep the plain weights here
+                        lambda plain, weight, rows: {"plain": 1e-3, "packed": 2e-3})
     outs, infos, prompt_logits, reads = {}, {}, {}, {}
     for choice in ("measure", "fixed"):  # eager steps: decode graphs read no packed copies
         with LLM(path, dtype="bfloat16", kernel_choice=choice, max_num_batched_tokens=64,
@@ -744,3 +750,20 @@ def test_prompts_fuse_the_silu_mul_where_packed_halves_won(tiny_model_dir, cache
     for got, want in zip(logits["measure"], logits["fixed"]):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert outs["measure"] == outs["fixed"]
+
+
+@pytest.mark.parametrize("eager_faster", [1.01, 1.05])
+def test_prompt_steps_go_eager_by_a_smaller_margin_than_decode_steps(cache, monkeypatch,
+                                                                     eager_faster):
+    """A step kind keeps its graphs unless timed faster eagerly: a prompt by more than
+    GRAPH_PROMPT_MARGIN, a decode step by more than MARGIN; both kinds' runs are timed."""
+    ran = []
+    monkeypatch.setattr(kc, "_time_step", lambda kind, candidates, rounds: (
+        [run() for run in candidates.values()] and {"graph": 1e-3 * eager_faster, "eager": 1e-3}))
+    steps = {kind: (8, lambda graph, kind=kind: ran.append((kind, graph)))
+             for kind in ("prompt", "decode")}
+    keep = kc.KernelChoice(torch.float32).choose_graph_steps(steps, (2, 32), "setup")
+    assert kc.GRAPH_PROMPT_MARGIN < 1.05 < kc.MARGIN
+    assert keep == {"prompt": eager_faster < kc.GRAPH_PROMPT_MARGIN, "decode": True}
+    assert sorted(ran) == [("decode", False), ("decode", True), ("prompt", False),
+                           ("prompt", True)]

@@ -94,8 +94,13 @@ inline vf load_int8(const int8_t* p) {
 // e^x in each lane: 2^n p(r) for r = x - n ln2, n = x / ln2 rounded, p Cephes' expf polynomial
 // (within ~2 float ulps of e^x); x is clamped to +-88, past which e^x is no float (or 0)
 inline vf exp_lanes(vf x) {
+#if defined(__AVX512F__)
+  // min(88, x), max(-88, x): one instruction each, and a NaN x (the second operand) stays NaN
+  x = (vf)_mm512_max_ps(_mm512_set1_ps(-88.f), _mm512_min_ps(_mm512_set1_ps(88.f), (__m512)x));
+#else
   x = x > 88.f ? splat(88.f) : x;
   x = x < -88.f ? splat(-88.f) : x;
+#endif
   const vf shifter = splat(12582912.f);  // 1.5 * 2^23: adding it rounds to an integer
   const vf n = (x * 1.44269504088896341f + shifter) - shifter;
   const vf r = x - n * 0.693359375f - n * -2.12194440e-4f;
@@ -134,14 +139,17 @@ inline vf rounded_as<bf16>(vf v) {
   return v != v ? v : out;
 }
 
-// W floats stored as T (bf16: rounded to nearest even)
-inline void store_narrowed(float* p, vf v) { store(p, v); }
-inline void store_narrowed(bf16* p, vf v) {
+// W floats already rounded to T's precision (rounded_as<T>) stored as T: a bf16 is the upper half
+inline void store_rounded(float* p, vf v) { store(p, v); }
+inline void store_rounded(bf16* p, vf v) {
   typedef uint32_t vu __attribute__((vector_size(W * 4)));
   typedef uint16_t vh __attribute__((vector_size(W * 2)));
-  const vf r = rounded_as<bf16>(v);
   vu bits;
-  std::memcpy(&bits, &r, sizeof bits);
+  std::memcpy(&bits, &v, sizeof bits);
   const vh halves = __builtin_convertvector(bits >> 16, vh);
   std::memcpy(p, &halves, sizeof halves);
 }
+
+// W floats stored as T (bf16: rounded to nearest even)
+inline void store_narrowed(float* p, vf v) { store(p, v); }
+inline void store_narrowed(bf16* p, vf v) { store_rounded(p, rounded_as<bf16>(v)); }

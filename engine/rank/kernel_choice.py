@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine import cpu_runtime
 from engine.machine import cache_dir, cpu_description, read_whole, write_whole
 from engine.rank import fused_attention, gemm, ops, quantized_rows
 from engine.rank.attention import (fixed_prompt_kernel, float32_decode_attention,
@@ -67,13 +68,20 @@ TIMED_DECODE_LAYERS = 8  # layers in one timed graph: its call's own cost shared
 # another kernel replaces the built-in one only when at least this much faster: timings on a
 # shared machine jitter by more than the gaps between close candidates
 MARGIN = 1.10
-# Prompts read copies of the projections packed by oneDNN (engine.rank.gemm.PromptCopies) where
-# the sum of one product per shape, at PROMPT_COPY_ROWS rows, timed this much faster packed: a
+# Prompts read copies of the projections packed by oneDNN (engine.rank.gemm.PromptCopies) for
+# the shapes whose product at PROMPT_COPY_ROWS rows timed this much faster packed: a
 # warm weight gained 3-5 % on the AVX512-BF16 EPYC (the start-up timing's case; a step's cold
 # weights gain more), below MARGIN, and a wrong pick costs a copy's memory and a step a few %
 # slower, no wrong answer
 PROMPT_COPY_ROWS = 512
 PROMPT_COPY_MARGIN = 1.02
+# A prompt step runs eagerly where timed this much faster than through its graph. A prompt
+# step takes hundreds of ms, timed whole both ways in one process: steadier than the short
+# kernels MARGIN guards. Its graph calls the kernels an eager step calls, one per weight shape,
+# where an eager step takes each row count's pick (on the AMX Xeon, MKL's product for
+# SmolLM2's 3072-row weight at 2048 float32 rows): eager prompts there timed faster, by less
+# than MARGIN (BENCHMARKS.md, session 56).
+GRAPH_PROMPT_MARGIN = 1.02
 # the copies are not offered where they would take more than this share of the memory the
 # machine has available at start-up (a large model's would leave too little for the rest)
 PROMPT_COPY_MEMORY = 0.5
@@ -434,15 +442,16 @@ class KernelChoice:
                            rounds: int = 3) -> dict[str, bool]:
         """compile=True on one rank: each kind of step ("prompt", "decode": its row count, and a
         run of one through its compiled graphs (True) or eagerly) timed both ways, alternated;
-        a kind keeps its graphs unless eager is faster by MARGIN. A fixed number of runs
-        (`rounds`). Kept on disk like the other timings, under the model's shape and the
-        settings a step's speed depends on (`setup`): timing whole steps took 2-3 s of every
-        compiled start-up of SmolLM2 on the AMX Xeon."""
+        a kind keeps its graphs unless eager is faster by MARGIN (a prompt: by
+        GRAPH_PROMPT_MARGIN). A fixed number of runs (`rounds`). Kept on disk like the other
+        timings, under the model's shape and the settings a step's speed depends on (`setup`):
+        timing whole steps took 2-3 s of every compiled start-up of SmolLM2 on the AMX Xeon."""
         store, keep = TimingStore.open(), {}
         for kind, (rows, run) in steps.items():
             candidates = {"graph": partial(run, True), "eager": partial(run, False)}
-            pick = store.get_or_time(Pick(f"graph-{kind}", model_shape, rows, "graph"),
-                                     self.dtype, candidates,
+            margin = GRAPH_PROMPT_MARGIN if kind == "prompt" else MARGIN
+            pick = store.get_or_time(Pick(f"graph-{kind}", model_shape, rows, "graph",
+                                          margin=margin), self.dtype, candidates,
                                      partial(_time_step, kind, candidates, rounds), setup)
             self.picks.append(pick)
             keep[kind] = pick.kernel == "graph"
@@ -481,11 +490,14 @@ class KernelChoice:
 
     def _choose_prompt_copies(self, store: "TimingStore", weights: list[torch.Tensor],
                               max_tokens: int, lm_head_shape: tuple[int, ...] | None) -> None:
-        """Time one product of a prompt's rows with each projection shape (the LM head's
-        aside: prompts sample few rows) as the picks run it on the plain weights, and through
-        oneDNN on copies packed for those rows. Where packed wins, `packed_prompt_shapes` says
-        which weights the rank copies (engine.rank.gemm.PromptCopies), and their products of
-        more than gemm.PLAIN_WEIGHT_ROWS rows go to oneDNN, which reads the copies."""
+        """For each projection shape (the LM head's aside: prompts sample few rows), time one
+        product of a prompt's rows as the picks run it on the plain weight, and through oneDNN
+        on a copy packed for those rows. Shapes where packed wins are in
+        `packed_prompt_shapes` (the rank copies their weights: engine.rank.gemm.PromptCopies),
+        and their products of more than gemm.PLAIN_WEIGHT_ROWS rows go to oneDNN, which reads
+        the copies. Decided shape by shape: in bf16 on the AMX Xeon, copies ran the 960- and
+        3072-row SmolLM2 weights faster at 512 rows and the 576-row ones slower, and one
+        choice for all of them kept every weight plain."""
         shapes = {s: w for s, w in one_per_shape(weights).items() if s != lm_head_shape}
         rows = min(PROMPT_COPY_ROWS, max_tokens)
         if (self.dtype not in (torch.float32, torch.bfloat16) or not gemm.onednn_runs(self.dtype)
@@ -497,19 +509,20 @@ class KernelChoice:
             log.info("no packed prompt copies: %.1f GiB of them, %.1f GiB of memory available",
                      copy_bytes / 2**30, available / 2**30)
             return
-        plain = {s: self._linear[(*s, min(row_bucket(rows), self._top_bucket))] for s in shapes}
-        pick = store.get_or_time(
-            Pick("prompt-weights", tuple(sorted(shapes)), rows, "plain",
-                 margin=PROMPT_COPY_MARGIN), self.dtype, dict.fromkeys(("plain", "packed")),
-            lambda: _time_prompt_copies(plain, shapes, rows))
-        self.picks.append(pick)
-        if pick.kernel != "packed":
-            return
-        self.packed_prompt_shapes, self.prompt_copy_rows = set(shapes), rows
+        bucket = min(row_bucket(rows), self._top_bucket)
         first = row_bucket(gemm.PLAIN_WEIGHT_ROWS + 1)
-        for shape in shapes:
-            for bucket in range(first, self._top_bucket + 1):
-                self._linear[(*shape, bucket)] = gemm.eager_onednn_linear
+        self.prompt_copy_rows = rows
+        for shape, weight in shapes.items():
+            plain = self._linear[(*shape, bucket)]
+            pick = store.get_or_time(
+                Pick("prompt-weights", shape, rows, "plain", margin=PROMPT_COPY_MARGIN),
+                self.dtype, dict.fromkeys(("plain", "packed")),
+                lambda: _time_prompt_copy(plain, weight, rows))
+            self.picks.append(pick)
+            if pick.kernel == "packed":
+                self.packed_prompt_shapes.add(shape)
+                for b in range(first, self._top_bucket + 1):
+                    self._linear[(*shape, b)] = gemm.eager_onednn_linear
 
     def _choose_gated_prompts(self, store: "TimingStore", weights: list[torch.Tensor],
                               gate_up_shape: tuple[int, ...] | None) -> None:
@@ -559,16 +572,13 @@ def _time_linear(kernels: dict[str, Callable], weight: torch.Tensor, rows: int,
     return {name: s / len(copies) for name, s in seconds.items()}
 
 
-def _time_prompt_copies(plain: dict[tuple[int, ...], Callable],
-                        weights: dict[tuple[int, ...], torch.Tensor],
-                        rows: int) -> dict[str, float]:
-    """Seconds for one product of `rows` rows with each weight: its `plain` kernel on the
+def _time_prompt_copy(plain: Callable, weight: torch.Tensor, rows: int) -> dict[str, float]:
+    """Seconds for one product of `rows` rows with the weight: its `plain` kernel on the
     weight as it is ("plain"), and oneDNN's on a copy packed for `rows` rows ("packed")."""
-    packed = {s: gemm.pack_for_rows(w, rows) for s, w in weights.items()}
-    xs = {s: torch.randn(rows, w.shape[1], dtype=w.dtype) for s, w in weights.items()}
-    return fastest({
-        "plain": lambda: [plain[s](xs[s], w, None) for s, w in weights.items()],
-        "packed": lambda: [gemm.eager_onednn_linear(xs[s], w) for s, w in packed.items()]})
+    packed = gemm.pack_for_rows(weight, rows)
+    x = torch.randn(rows, weight.shape[1], dtype=weight.dtype)
+    return fastest({"plain": lambda: plain(x, weight, None),
+                    "packed": lambda: gemm.eager_onednn_linear(x, packed)})
 
 
 def _time_gated(weight: torch.Tensor, rows: int) -> dict[str, float]:
@@ -705,8 +715,11 @@ class TimingStore:
     def get_or_time(self, pick: Pick, dtype: torch.dtype, candidates: dict[str, Callable],
                     measure: Callable[[], dict[str, float]], setup: str = "") -> Pick:
         """`pick` with the kept timings of exactly these candidates, or with new ones. `setup`:
-        what else the timing depends on, beyond the machine, the op and its shape."""
-        key = f"{TIMING_METHOD}|{machine_key()}|{pick.op}|{dtype}|{pick.shape}|{pick.rows}"
+        what else the timing depends on, beyond the machine, the op and its shape. The
+        process's OpenMP is part of the key (engine.cpu_runtime): it changes how fast every
+        parallel region starts, so a timing taken under one is not trusted under the other."""
+        key = (f"{TIMING_METHOD}|{machine_key()}|{cpu_runtime.openmp()} openmp|{pick.op}|"
+               f"{dtype}|{pick.shape}|{pick.rows}")
         key += f"|{setup}" if setup else ""
         kept = self.entries.get(key)
         if (isinstance(kept, dict) and set(kept) == set(candidates)

@@ -17,7 +17,7 @@ void add_rmsnorm_row(const T* x, const T* residual, const T* weight, T* out, T* 
   int64_t j = 0;
   for (; j + W <= d; j += W) {
     const vf s = rounded_as<T>(load_widened(x + j) + load_widened(residual + j));
-    store_narrowed(sum + j, s);
+    store_rounded(sum + j, s);
     squares += s * s;
   }
   for (; j < d; ++j) {
