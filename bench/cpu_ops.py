@@ -14,15 +14,16 @@ the block table against the fused kernel's one call, timed as the engine times t
 The int8 LM head (every weights=... mode) and the int4 projections (weights="int4"|"gguf") for one
 row: torch's `_weight_int8pack_mm` and `_weight_int4pack_mm_for_cpu` against the engine's C++ row
 products (engine/rank/quantized_rows). A prompt's products with plain weights against
-copies packed for its rows (engine.rank.gemm.PromptCopies), and its gate/up products with their
-SiLU·mul as a product and a pass after it against oneDNN's fused halves (engine.rank.gemm.
-gated_halves). Runs alternate; the fastest of each is kept.
+copies packed for its rows, shape by shape (engine.rank.gemm.PromptCopies), and its gate/up
+products with their SiLU·mul as a product and a pass after it against oneDNN's fused halves
+(engine.rank.gemm.gated_halves). Runs alternate; the fastest of each is kept.
 
     .venv/bin/python -m bench.cpu_ops
     .venv/bin/python -m bench.cpu_ops --only-prompt-attention --fused-from REV
     .venv/bin/python -m bench.cpu_ops --only-gated
     .venv/bin/python -m bench.cpu_ops --only-quantized
     .venv/bin/python -m bench.cpu_ops --only-decode-attention
+    .venv/bin/python -m bench.cpu_ops --only-prompt-weights
 
 `--fused-from REV` adds the fused kernel as it was at git revision REV (built here the same way)
 beside today's, for a before/after in one run.
@@ -121,19 +122,19 @@ def packed_decode_rows(rows: int, repeats: int) -> dict[str, float]:
     return {name: nbytes / s / 1e9 for name, s in t.items()}
 
 
-def prompt_copies(rows: int, dtype: torch.dtype, repeats: int) -> dict[str, float]:
-    """A prompt's rows through 30 layers' projections (distinct weights) by oneDNN, each
-    weight plain (reordered inside every product) against a copy packed once for those rows
-    (what prompts read where the start-up timing finds it faster: engine.rank.gemm.PromptCopies).
-    GFLOP/s."""
-    weights = [torch.randn(shape, dtype=dtype) for _ in range(30) for shape in PROJECTIONS]
+def prompt_copies(rows: int, dtype: torch.dtype, shape: tuple[int, int],
+                  repeats: int) -> dict[str, float]:
+    """A prompt's rows through 30 layers' projections of one shape (distinct weights) by
+    oneDNN, each weight plain (reordered inside every product) against a copy packed once for
+    those rows (what prompts read where the start-up timing finds it faster, shape by shape:
+    engine.rank.gemm.PromptCopies). GFLOP/s."""
+    weights = [torch.randn(shape, dtype=dtype) for _ in range(30)]
     packed = [gemm.pack_for_rows(w, rows) for w in weights]
-    inputs = {k: torch.randn(rows, k, dtype=dtype) for k in (576, 1536)}
+    x = torch.randn(rows, shape[1], dtype=dtype)
     flops = sum(2 * rows * w.numel() for w in weights)
     product = gemm.eager_onednn_linear
-    t = fastest({"plain": lambda: [product(inputs[w.shape[1]], w) for w in weights],
-                 "packed": lambda: [product(inputs[w.shape[1]], p)
-                                    for w, p in zip(weights, packed)]}, repeats)
+    t = fastest({"plain": lambda: [product(x, w) for w in weights],
+                 "packed": lambda: [product(x, p) for p in packed]}, repeats)
     return {name: flops / s / 1e9 for name, s in t.items()}
 
 
@@ -305,6 +306,8 @@ def main() -> None:
                     help="only the quantized weights' one-row products, torch's and the engine's")
     ap.add_argument("--only-decode-attention", action="store_true",
                     help="only a decode row's attention per layer, tensor math and fused kernel")
+    ap.add_argument("--only-prompt-weights", action="store_true",
+                    help="only each projection shape's prompt products, plain and packed")
     ap.add_argument("--fused-from", metavar="REV",
                     help="time the fused prompt attention as it was at this git revision too")
     args = ap.parse_args()
@@ -318,6 +321,8 @@ def main() -> None:
         return quantized(args)
     if args.only_decode_attention:
         return decode_attention(args)
+    if args.only_prompt_weights:
+        return prompt_weights(args)
     if not args.only_prompt_attention:
         other_ops(args)
         gated(args)
@@ -350,17 +355,24 @@ def other_ops(args: argparse.Namespace) -> None:
             r = packed_decode_rows(rows, args.repeats)
             print(f"{f'bfloat16, {rows} rows':<24} {r['plain']:>17.1f} {r['packed']:>15.1f} "
                   f"{r['packed'] / r['plain']:>17.2f}x")
-    _table_row("prompt weights", "plain GFLOP/s", "packed GFLOP/s", "packed / plain")
-    for dtype in (d for d in args.dtypes if gemm.onednn_runs(getattr(torch, d))):
-        for rows in (512, 2048):
-            r = prompt_copies(rows, getattr(torch, dtype), max(2, args.repeats // 3))
-            _table_row(f"{dtype}, {rows} rows", r["plain"], r["packed"], r["packed"] / r["plain"])
+    prompt_weights(args)
     r = kv_store_calls(args.repeats)
     print(f"{'KV store op, us a call':<24} {'custom_op':>17} {'graph_op':>15} {'custom / graph':>18}")
     print(f"{'one decode row':<24} {r['custom_op']:>17.1f} {r['graph_op']:>15.1f} "
           f"{r['custom_op'] / r['graph_op']:>17.2f}x")
     decode_attention(args)
     quantized(args)
+
+
+def prompt_weights(args: argparse.Namespace) -> None:
+    """Each projection shape's prompt products from plain weights and from packed copies."""
+    _table_row("prompt weights", "plain GFLOP/s", "packed GFLOP/s", "packed / plain")
+    for dtype in (d for d in args.dtypes if gemm.onednn_runs(getattr(torch, d))):
+        for rows in (512, 2048):
+            for shape in PROJECTIONS:
+                r = prompt_copies(rows, getattr(torch, dtype), shape, max(2, args.repeats // 3))
+                _table_row(f"{dtype[:4]}, {rows}, {shape[0]}x{shape[1]}", r["plain"],
+                           r["packed"], r["packed"] / r["plain"])
 
 
 def decode_attention(args: argparse.Namespace) -> None:

@@ -194,6 +194,25 @@ def test_timings_are_kept_and_a_damaged_file_is_measured_over(cache):
     assert len(json.loads(cache.read_text())) == len(first.picks)
 
 
+def test_timings_taken_under_one_openmp_are_not_trusted_under_the_other(cache, monkeypatch):
+    """The process's OpenMP (engine.cpu_runtime: torch's libgomp, or Intel's preloaded) is
+    part of a kept timing's key: the other runtime measures anew, and each finds its own."""
+    from engine import cpu_runtime
+
+    ran_here = cpu_runtime.openmp()
+    other = {"gnu": "intel", "intel": "gnu"}[ran_here]
+    first, _ = _measured()
+    monkeypatch.setattr(cpu_runtime, "openmp", lambda: other)
+    under_other, _ = _measured()
+    assert not any(p.from_disk for p in under_other.picks)
+    again, _ = _measured()
+    assert all(p.from_disk for p in again.picks)
+    monkeypatch.setattr(cpu_runtime, "openmp", lambda: ran_here)
+    back, _ = _measured()
+    assert all(p.from_disk for p in back.picks)
+    assert [p.seconds for p in back.picks] == [p.seconds for p in first.picks]
+
+
 def test_a_changed_fused_kernel_times_the_attention_again(cache, monkeypatch):
     """Prompt attention timings are kept per fused-kernel source: after a change to it (a new
     version of the engine) the attention buckets are timed again, and nothing else is."""
