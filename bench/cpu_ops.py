@@ -371,7 +371,8 @@ def prompt_weights(args: argparse.Namespace) -> None:
         for rows in (512, 2048):
             for shape in PROJECTIONS:
                 r = prompt_copies(rows, getattr(torch, dtype), shape, max(2, args.repeats // 3))
-                _table_row(f"{dtype[:4]}, {rows}, {shape[0]}x{shape[1]}", r["plain"],
+                short = {"float32": "f32", "bfloat16": "bf16"}[dtype]
+                _table_row(f"{short}, {rows} rows, {shape[0]}x{shape[1]}", r["plain"],
                            r["packed"], r["packed"] / r["plain"])
 
 
