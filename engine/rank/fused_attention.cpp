@@ -289,13 +289,11 @@ inline Lanes first_lanes(int n) {
 #endif
 
 // 2^t in the lanes kept (0 in the others), for t <= RESCALE_ABOVE (scaled scores less a running
-// max, or a row's max): t = n + f, |f| <= 1/2, 2^f by a polynomial fitted for relative error on
-// that range, times 2^n (AVX512's scalef, which also zeroes the lanes not kept and flushes
-// t < -149 to 0; elsewhere the exponent's bits). A base-2 exp takes the log2(e) into the scale
-// the scores already get, so it costs one FMA less than e^x's Cody-Waite reduction.
-// Degree 5: within ~2 float ulps. Degree 3: within 7.5e-5 relative, for probabilities rounded to
-// bf16 (2^-9 relative) before P V; two FMAs less in a loop where the exp is most of the work.
-template <int Degree = 5>
+// max, or a row's max), within ~2 ulp:
+// t = n + f, |f| <= 1/2, 2^f by a degree-5 polynomial fitted for relative error on that range,
+// times 2^n (AVX512's scalef, which also zeroes the lanes not kept and flushes t < -149 to 0;
+// elsewhere the exponent's bits). A base-2 exp takes the log2(e) into the scale the scores
+// already get, so it costs one FMA less than e^x's Cody-Waite reduction.
 inline vf vexp2(vf t, Lanes keep) {
 #if defined(__AVX512F__)
   const vf n =
@@ -307,21 +305,12 @@ inline vf vexp2(vf t, Lanes keep) {
       __builtin_convertvector(t + (t < 0.f ? splat(-0.5f) : splat(0.5f)), vi), vf);
 #endif
   const vf f = t - n;
-  vf p;
-  if constexpr (Degree == 3) {
-    p = splat(5.517166480e-2f);
-    p = p * f + 2.426111251e-1f;
-    p = p * f + 6.932609677e-1f;
-    p = p * f + 9.999280572e-1f;
-  } else {
-    static_assert(Degree == 5, "2^f of degree 3 or 5");
-    p = splat(1.327722683e-3f);
-    p = p * f + 9.675547481e-3f;
-    p = p * f + 5.550710857e-2f;
-    p = p * f + 2.402212024e-1f;
-    p = p * f + 6.931469440e-1f;
-    p = p * f + 1.000000119e+0f;
-  }
+  vf p = splat(1.327722683e-3f);
+  p = p * f + 9.675547481e-3f;
+  p = p * f + 5.550710857e-2f;
+  p = p * f + 2.402212024e-1f;
+  p = p * f + 6.931469440e-1f;
+  p = p * f + 1.000000119e+0f;
 #if defined(__AVX512F__)
   return (vf)_mm512_maskz_scalef_ps(keep, (__m512)p, (__m512)n);
 #else
@@ -358,7 +347,6 @@ void softmax_tile(float* S, int M, int64_t group, int64_t first_visible, int64_t
                   float scale, float* O, float* m, float* l, typename Mul::Elem* P) {
   const int span = (nk + W - 1) / W * W;  // the scores computed
   const float scale2 = scale * LOG2E;  // e^(scale x) = 2^(scale2 x)
-  constexpr int DEGREE = std::is_same_v<typename Mul::Elem, float> ? 5 : 3;  // bf16 P: 3
   for (int r = 0; r < M; ++r) {
     const float* s = S + r * KEYS;
     // row r's token sees keys up to first_visible + r / group
@@ -371,7 +359,7 @@ void softmax_tile(float* S, int M, int64_t group, int64_t first_visible, int64_t
       m[r] = top;
     } else if ((top - m[r]) * scale2 > RESCALE_ABOVE) {
       // 2^(scale2 (old max - new max)) scales what was summed so far
-      const float alpha = vexp2<DEGREE>(splat((m[r] - top) * scale2), first_lanes(1))[0];
+      const float alpha = vexp2(splat((m[r] - top) * scale2), first_lanes(1))[0];
       store(l + r * W, load(l + r * W) * alpha);
       for (int c = 0; c < D; c += W) store(O + r * D + c, load(O + r * D + c) * alpha);
       m[r] = top;
@@ -379,7 +367,7 @@ void softmax_tile(float* S, int M, int64_t group, int64_t first_visible, int64_t
     vf sum = load(l + r * W);
     const vf scaled = splat(scale2), shift = splat(-m[r] * scale2);
     for (int j = 0; j < span; j += W) {
-      const vf e = vexp2<DEGREE>(load(s + j) * scaled + shift, first_lanes(visible - j));
+      const vf e = vexp2(load(s + j) * scaled + shift, first_lanes(visible - j));
       Mul::store_p(P + r * KEYS + j, e);
       sum += e;
     }
