@@ -706,6 +706,10 @@ class TimingStore:
 
     def __init__(self, path: Path, entries: dict):
         self.path, self.entries, self.changed = path, entries, False
+        # The process's OpenMP is part of every key (engine.cpu_runtime): it changes how fast
+        # every parallel region starts, so a timing taken under one is not trusted under the
+        # other. Asked once: asking reads the process's maps and looks up the libraries.
+        self.machine = f"{machine_key()}|{cpu_runtime.openmp()} openmp"
 
     @classmethod
     def open(cls) -> "TimingStore":
@@ -715,11 +719,8 @@ class TimingStore:
     def get_or_time(self, pick: Pick, dtype: torch.dtype, candidates: dict[str, Callable],
                     measure: Callable[[], dict[str, float]], setup: str = "") -> Pick:
         """`pick` with the kept timings of exactly these candidates, or with new ones. `setup`:
-        what else the timing depends on, beyond the machine, the op and its shape. The
-        process's OpenMP is part of the key (engine.cpu_runtime): it changes how fast every
-        parallel region starts, so a timing taken under one is not trusted under the other."""
-        key = (f"{TIMING_METHOD}|{machine_key()}|{cpu_runtime.openmp()} openmp|{pick.op}|"
-               f"{dtype}|{pick.shape}|{pick.rows}")
+        what else the timing depends on, beyond the machine, the op and its shape."""
+        key = f"{TIMING_METHOD}|{self.machine}|{pick.op}|{dtype}|{pick.shape}|{pick.rows}"
         key += f"|{setup}" if setup else ""
         kept = self.entries.get(key)
         if (isinstance(kept, dict) and set(kept) == set(candidates)
