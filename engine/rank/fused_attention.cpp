@@ -50,6 +50,7 @@ struct Floats {
   using Elem = float;
   static constexpr int STEP = 1;
   static constexpr bool TILES = false;  // products in registers (below), not AMX tiles
+  static constexpr int EXP_DEGREE = 5;
   static Elem from(float x) { return x; }
   static Elem from(bf16 x) { return widen(x); }
   static vf load_b(const float* p) { return load(p); }
@@ -70,12 +71,16 @@ struct Floats {
 // bf16 inputs on a CPU with bf16 dot products (AVX512-BF16): one instruction multiplies pairs
 // of bf16 and adds both products to a float32 lane, so the products read their operands as
 // pairs along the sum's index. Scores are float32 sums of exact bf16 products; the
-// probabilities are rounded to bf16 for P V, as torch's bf16 attention rounds them.
+// probabilities are rounded to bf16 for P V, as torch's bf16 attention rounds them (so their
+// exp takes a degree-3 polynomial: 2 FMAs fewer a vector; with softmax_tile's single pass a
+// 2048-token SmolLM2 layer timed 1.05x faster on the AMX Xeon, `.venv/bin/python -m
+// bench.cpu_ops --only-prompt-attention --fused-from 5a73958`).
 static_assert(W == 16, "bf16 pairs fill 512-bit registers");
 struct Bf16Pairs {
   using Elem = uint16_t;
   static constexpr int STEP = 2;
   static constexpr bool TILES = false;
+  static constexpr int EXP_DEGREE = 3;
   static Elem from(bf16 x) { return x.bits; }
   static __m512bh load_b(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
   static __m512bh splat_a(const uint16_t* p) {
@@ -289,11 +294,13 @@ inline Lanes first_lanes(int n) {
 #endif
 
 // 2^t in the lanes kept (0 in the others), for t <= RESCALE_ABOVE (scaled scores less a running
-// max, or a row's max), within ~2 ulp:
-// t = n + f, |f| <= 1/2, 2^f by a degree-5 polynomial fitted for relative error on that range,
+// max, or a row's max; larger t only in a pass whose results softmax_tile drops):
+// t = n + f, |f| <= 1/2, 2^f by a polynomial fitted for relative error on that range (degree 5:
+// ~2 ulp; degree 3: 7.5e-5, for probabilities rounded to bf16 next, whose steps are 2^-8),
 // times 2^n (AVX512's scalef, which also zeroes the lanes not kept and flushes t < -149 to 0;
 // elsewhere the exponent's bits). A base-2 exp takes the log2(e) into the scale the scores
 // already get, so it costs one FMA less than e^x's Cody-Waite reduction.
+template <int Degree = 5>
 inline vf vexp2(vf t, Lanes keep) {
 #if defined(__AVX512F__)
   const vf n =
@@ -305,12 +312,19 @@ inline vf vexp2(vf t, Lanes keep) {
       __builtin_convertvector(t + (t < 0.f ? splat(-0.5f) : splat(0.5f)), vi), vf);
 #endif
   const vf f = t - n;
-  vf p = splat(1.327722683e-3f);
-  p = p * f + 9.675547481e-3f;
-  p = p * f + 5.550710857e-2f;
-  p = p * f + 2.402212024e-1f;
-  p = p * f + 6.931469440e-1f;
-  p = p * f + 1.000000119e+0f;
+  vf p;
+  if constexpr (Degree == 5) {
+    p = splat(1.327722683e-3f);
+    p = p * f + 9.675547481e-3f;
+    p = p * f + 5.550710857e-2f;
+    p = p * f + 2.402212024e-1f;
+  } else {
+    static_assert(Degree == 3);
+    p = splat(5.517150e-2f);
+    p = p * f + 2.4261096e-1f;
+  }
+  p = p * f + (Degree == 5 ? 6.931469440e-1f : 6.9326099e-1f);
+  p = p * f + (Degree == 5 ? 1.000000119e+0f : 9.9992808e-1f);
 #if defined(__AVX512F__)
   return (vf)_mm512_maskz_scalef_ps(keep, (__m512)p, (__m512)n);
 #else
@@ -337,21 +351,55 @@ constexpr float LOG2E = 1.44269504088896341f;
 // their output
 constexpr float RESCALE_ABOVE = 8.f;
 
+// e^(scale (s - row_max)) of one row's scores s (2^(scale2 (s - row_max))) into its P, keys from
+// `visible` on as 0, added to the row's `sum`; returns the lane-wise max of the scores kept
+// (`Max`; else -inf)
+template <typename Mul, bool Max>
+inline vf exponentiate(const float* s, int span, int visible, float scale2, float row_max,
+                       typename Mul::Elem* p, vf& sum) {
+  vf mx = splat(-INFINITY);
+  const vf scaled = splat(scale2), shift = splat(-row_max * scale2);
+  for (int j = 0; j < span; j += W) {
+    const Lanes keep = first_lanes(visible - j);
+    const vf x = load(s + j);
+    if constexpr (Max) mx = max_kept(mx, x, keep);
+    const vf e = vexp2<Mul::EXP_DEGREE>(x * scaled + shift, keep);
+    Mul::store_p(p + j, e);
+    sum += e;
+  }
+  return mx;
+}
+
 // scores of one tile -> probabilities e^(scale (score - m)) into P (in place where P is S),
 // keys past a row's last visible one masked, where m is the row's running max (moved only past
 // RESCALE_ABOVE, when O and the running sum are rescaled). m is kept in unscaled scores (scale > 0
 // keeps their order), so the scale costs no pass of its own. A row's running sum is a vector (l
 // holds W floats a row), added across its lanes once at the end, not once a tile.
+// Where P is apart from S, a row that has a max takes one pass, against that max, and a second
+// only where the tile's scores pass it by more than RESCALE_ABOVE (rare after a row's first
+// tiles): the probabilities are those of the two passes, bit for bit, without the pass that
+// finds the tile's max first.
 template <typename Mul, int D>
 void softmax_tile(float* S, int M, int64_t group, int64_t first_visible, int64_t j0, int nk,
                   float scale, float* O, float* m, float* l, typename Mul::Elem* P) {
+  constexpr bool in_place = std::is_same_v<typename Mul::Elem, float>;  // Scratch's P is S
   const int span = (nk + W - 1) / W * W;  // the scores computed
   const float scale2 = scale * LOG2E;  // e^(scale x) = 2^(scale2 x)
   for (int r = 0; r < M; ++r) {
     const float* s = S + r * KEYS;
+    typename Mul::Elem* p = P + r * KEYS;
     // row r's token sees keys up to first_visible + r / group
     const int visible =
         static_cast<int>(std::clamp<int64_t>(first_visible + r / group + 1 - j0, 0, nk));
+    vf sum = load(l + r * W);
+    if (!in_place && m[r] != -INFINITY) {
+      vf with_tile = sum;
+      const float top = hmax(exponentiate<Mul, true>(s, span, visible, scale2, m[r], p, with_tile));
+      if (!((top - m[r]) * scale2 > RESCALE_ABOVE)) {
+        store(l + r * W, with_tile);
+        continue;
+      }
+    }
     vf mx = splat(-INFINITY);
     for (int j = 0; j < span; j += W) mx = max_kept(mx, load(s + j), first_lanes(visible - j));
     const float top = hmax(mx);
@@ -360,17 +408,11 @@ void softmax_tile(float* S, int M, int64_t group, int64_t first_visible, int64_t
     } else if ((top - m[r]) * scale2 > RESCALE_ABOVE) {
       // 2^(scale2 (old max - new max)) scales what was summed so far
       const float alpha = vexp2(splat((m[r] - top) * scale2), first_lanes(1))[0];
-      store(l + r * W, load(l + r * W) * alpha);
+      sum = sum * alpha;
       for (int c = 0; c < D; c += W) store(O + r * D + c, load(O + r * D + c) * alpha);
       m[r] = top;
     }
-    vf sum = load(l + r * W);
-    const vf scaled = splat(scale2), shift = splat(-m[r] * scale2);
-    for (int j = 0; j < span; j += W) {
-      const vf e = vexp2(load(s + j) * scaled + shift, first_lanes(visible - j));
-      Mul::store_p(P + r * KEYS + j, e);
-      sum += e;
-    }
+    exponentiate<Mul, false>(s, span, visible, scale2, m[r], p, sum);
     store(l + r * W, sum);
   }
 }
