@@ -140,27 +140,35 @@ def prompt_copies(rows: int, dtype: torch.dtype, shape: tuple[int, int],
 
 def gated_products(rows: int, dtype: torch.dtype, repeats: int) -> dict[str, float]:
     """A prompt's rows through 30 layers' gate/up products (distinct weights) with their
-    SiLU·mul: oneDNN on copies packed whole, then the SiLU·mul ("whole"), against packed
-    halves with the SiLU and the product applied by oneDNN as it writes ("halves",
+    SiLU·mul: on the plain weights, torch's product ("torch", MKL for float32) and oneDNN's
+    ("plain"), then the SiLU·mul; oneDNN on copies packed whole, then the SiLU·mul ("whole");
+    packed halves with the SiLU and the product applied by oneDNN as it writes ("halves",
     engine.rank.gemm.gated_halves). Checked to agree first. GFLOP/s of the products."""
     weights = [torch.randn(PROJECTIONS[2], dtype=dtype) / 8 for _ in range(30)]
     whole = [gemm.pack_for_rows(w, rows) for w in weights]
     halves = [gemm.pack_halves(w, rows) for w in weights]
     x = torch.randn(rows, PROJECTIONS[2][1], dtype=dtype)
-    fns = {"whole": lambda: [ops.silu_mul(gemm.eager_onednn_linear(x, w)) for w in whole],
+    fns = {"torch": lambda: [ops.silu_mul(F.linear(x, w)) for w in weights],
+           "plain": lambda: [ops.silu_mul(gemm.eager_onednn_linear(x, w)) for w in weights],
+           "whole": lambda: [ops.silu_mul(gemm.eager_onednn_linear(x, w)) for w in whole],
            "halves": lambda: [gemm.gated_halves(x, *h) for h in halves]}
-    a, b = fns["whole"]()[0].float(), fns["halves"]()[0].float()
-    torch.testing.assert_close(b, a, rtol=0, atol=2e-2 * a.abs().max().item())
+    a = fns["torch"]()[0].float()
+    for name in ("plain", "whole", "halves"):
+        torch.testing.assert_close(fns[name]()[0].float(), a, rtol=0,
+                                   atol=2e-2 * a.abs().max().item())
     flops = sum(2 * rows * w.numel() for w in weights)
     return {name: flops / s / 1e9 for name, s in fastest(fns, repeats).items()}
 
 
 def gated(args: argparse.Namespace) -> None:
-    _table_row("gate/up + SiLU·mul", "whole GFLOP/s", "halves GFLOP/s", "halves / whole")
+    names = ("torch", "plain", "whole", "halves")
+    print(f"{'gate/up + SiLU·mul GFLOP/s':<27}" + "".join(f"{n:>9}" for n in names)
+          + f"{'halves / plain':>16}")
     for dtype in (d for d in args.dtypes if gemm.onednn_runs(getattr(torch, d))):
         for rows in (512, 2048):
             r = gated_products(rows, getattr(torch, dtype), max(2, args.repeats // 3))
-            _table_row(f"{dtype}, {rows} rows", r["whole"], r["halves"], r["halves"] / r["whole"])
+            print(f"{f'{dtype}, {rows} rows':<27}" + "".join(f"{r[n]:>9.1f}" for n in names)
+                  + f"{r['halves'] / r['plain']:>15.2f}x")
 
 
 def fused_attention_with(library) -> Callable[..., torch.Tensor]:
