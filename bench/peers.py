@@ -302,6 +302,12 @@ def start_peers(rows: list[dict], work: Path, args: argparse.Namespace) -> list[
     return peers
 
 
+# A pause before each call: an OpenMP runtime keeps the threads of the call that just ended
+# spinning for a while (Intel's, which the engine and vLLM preload, for 200 ms: KMP_BLOCKTIME),
+# on the cores the next system's call needs, and a short prompt would start among them
+SETTLE_S = 0.3
+
+
 def interleaved(peers: list[Peer], inputs: dict, repeats: int) -> list[dict]:
     """Every row's timings, taken in turns: each round times every call of the protocol on
     every peer before the next round (the order of the peers rotating), so a slow minute of a
@@ -321,6 +327,7 @@ def interleaved(peers: list[Peer], inputs: dict, repeats: int) -> list[dict]:
     for r in range(-1, repeats):  # round -1: the untimed first calls
         for name, (prompt, new_tokens) in calls.items():
             for p in peers[r % len(peers):] + peers[:r % len(peers)] if peers else []:
+                time.sleep(SETTLE_S)
                 try:
                     seconds, out, first = p.call(prompt, new_tokens)
                 except RuntimeError as e:
