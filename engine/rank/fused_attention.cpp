@@ -392,17 +392,19 @@ void softmax_tile(float* S, int M, int64_t group, int64_t first_visible, int64_t
     const int visible =
         static_cast<int>(std::clamp<int64_t>(first_visible + r / group + 1 - j0, 0, nk));
     vf sum = load(l + r * W);
+    float top;  // the tile's max of the scores the row sees
     if (!in_place && m[r] != -INFINITY) {
       vf with_tile = sum;
-      const float top = hmax(exponentiate<Mul, true>(s, span, visible, scale2, m[r], p, with_tile));
+      top = hmax(exponentiate<Mul, true>(s, span, visible, scale2, m[r], p, with_tile));
       if (!((top - m[r]) * scale2 > RESCALE_ABOVE)) {
         store(l + r * W, with_tile);
         continue;
       }
+    } else {
+      vf mx = splat(-INFINITY);
+      for (int j = 0; j < span; j += W) mx = max_kept(mx, load(s + j), first_lanes(visible - j));
+      top = hmax(mx);
     }
-    vf mx = splat(-INFINITY);
-    for (int j = 0; j < span; j += W) mx = max_kept(mx, load(s + j), first_lanes(visible - j));
-    const float top = hmax(mx);
     if (m[r] == -INFINITY) {  // the first tile: nothing summed yet
       m[r] = top;
     } else if ((top - m[r]) * scale2 > RESCALE_ABOVE) {
