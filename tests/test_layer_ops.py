@@ -50,6 +50,23 @@ def test_add_rmsnorm_is_the_norm_of_the_sum(backend, dtype, rows, d):
     _mostly_equal(normed, ops.rmsnorm(x, residual, weight, 1e-5)[0], dtype)
 
 
+def test_bf16_sums_round_as_torch_at_ties_and_special_values(backend):
+    """The vector rounding to bf16 (one AVX512-BF16 instruction where the CPU has it, bit
+    arithmetic elsewhere) against torch's add in bf16: ties to even, sums past bf16's largest
+    value to inf, NaN and the infinities kept, on 16-value vectors and the scalar tail."""
+    big = torch.finfo(torch.bfloat16).max
+    x = torch.tensor([1.0, 1.0 + 2 ** -7, big, -big, float("nan"), float("inf"), -float("inf"),
+                      float("inf"), 3.0, 0.0, -0.0, 2 ** -100, 1.0, -1.0, 7.0, 0.5] * 2 + [1.0],
+                     dtype=torch.bfloat16)
+    # 1 + 2^-8 lies halfway between two bf16 neighbours (1 and 1 + 2^-7): to the even one
+    residual = torch.tensor([2 ** -8, 2 ** -8, big, -big, 1.0, 1.0, 1.0, -float("inf"), -3.0,
+                             -0.0, -0.0, 2 ** -100, 2 ** -8 + 2 ** -14, -2 ** -8 + 2 ** -15,
+                             2 ** -6, 2 ** -9] * 2 + [2 ** -8],
+                            dtype=torch.bfloat16)
+    _, summed = backend.rmsnorm(x[None], residual[None], torch.ones_like(x), 1e-5)
+    torch.testing.assert_close(summed[0], x + residual, rtol=0, atol=0, equal_nan=True)
+
+
 def _rotated_by_complex(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor):
     """(x1 + i x2) e^{i p f} in float64: the rotate-half rotation, written independently."""
     turn = torch.polar(torch.ones(len(positions), len(inv_freq), dtype=torch.float64),
