@@ -39,6 +39,15 @@
 
 namespace {
 
+// A product streams its weight's rows one output after another: each output asks for the codes
+// of the output PREFETCH_AHEAD further on, so they arrive while this one computes (the hardware's
+// own prefetch left a 1-row product of SmolLM2's int4 gate/up below torch's kernel; with this
+// it runs faster: `.venv/bin/python -m bench.cpu_ops --only-quantized`, BENCHMARKS.md session 58)
+constexpr int64_t PREFETCH_AHEAD = 4;
+inline void prefetch(const void* from, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(from) + b);
+}
+
 template <typename T>
 struct RowsProblem {
   const float* x;  // [rows][k], widened
@@ -53,6 +62,7 @@ void rows_product(const RowsProblem<T>& p, int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t o = 0; o < p.n; ++o) {
     const int8_t* codes = p.codes + o * p.k;
+    prefetch(p.codes + std::min(o + PREFETCH_AHEAD, p.n - 1) * p.k, p.k);
     vf acc[R];
     for (int r = 0; r < R; ++r) acc[r] = splat(0.f);
     for (int64_t i = 0; i < p.k; i += W) {
@@ -179,25 +189,48 @@ float output_scales(const T* d, const T* m, const float* step, const float* sum,
   return total;
 }
 
-// One group's 16 code bytes against R rows' 32 int16 inputs, into acc[r] (8 float lanes).
+// A group's products accumulate in float lanes: 16 with AVX512 (BW and VNNI: one group's 32
+// int16 products in one vpdpwssd), else 8 (AVX2: two vpmaddwd)
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+using GroupSums = __m512;
+inline GroupSums no_sums() { return _mm512_setzero_ps(); }
+inline float sums_total(GroupSums a, GroupSums b) { return _mm512_reduce_add_ps(_mm512_add_ps(a, b)); }
+
+// One group's 16 code bytes against R rows' 32 int16 inputs, into acc[r].
 template <int R>
 inline void q4_group(const uint8_t* codes, const int16_t* xq, int64_t k, const float* scale,
-                     int64_t groups, __m256* acc) {
+                     int64_t groups, GroupSums* acc) {
+  const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
+  // codes 0-15 (low nibbles) then 16-31 (high ones): the group's 32 inputs' order
+  const __m512i w = _mm512_inserti64x4(
+      _mm512_castsi256_si512(_mm256_and_si256(bytes, _mm256_set1_epi16(15))),
+      _mm256_srli_epi16(bytes, 4), 1);
+  for (int r = 0; r < R; ++r) {
+    const __m512i dot = _mm512_dpwssd_epi32(_mm512_setzero_si512(), w, _mm512_loadu_si512(xq + r * k));
+    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(scale[r * groups]), acc[r]);
+  }
+}
+#else
+using GroupSums = __m256;
+inline GroupSums no_sums() { return _mm256_setzero_ps(); }
+inline float sums_total(GroupSums a, GroupSums b) { return lanes_sum(_mm256_add_ps(a, b)); }
+
+// One group's 16 code bytes against R rows' 32 int16 inputs, into acc[r].
+template <int R>
+inline void q4_group(const uint8_t* codes, const int16_t* xq, int64_t k, const float* scale,
+                     int64_t groups, GroupSums* acc) {
   const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
   const __m256i low = _mm256_and_si256(bytes, _mm256_set1_epi16(15));
   const __m256i high = _mm256_srli_epi16(bytes, 4);
   for (int r = 0; r < R; ++r) {
     const __m256i* x = reinterpret_cast<const __m256i*>(xq + r * k);
     const __m256i x_low = _mm256_loadu_si256(x), x_high = _mm256_loadu_si256(x + 1);
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    const __m256i dot = _mm256_dpwssd_epi32(_mm256_dpwssd_epi32(_mm256_setzero_si256(), low, x_low), high, x_high);
-#else
     const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(low, x_low),
                                          _mm256_madd_epi16(high, x_high));
-#endif
     acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(scale[r * groups]), acc[r]);
   }
 }
+#endif
 
 template <typename T, int R>
 void q4_product(const Q4Problem<T>& p, int threads) {
@@ -212,13 +245,14 @@ void q4_product(const Q4Problem<T>& p, int threads) {
 #pragma omp for schedule(static)
     for (int64_t o = 0; o < n; ++o) {
       const uint8_t* codes = p.codes + o * (k / 2);
+      prefetch(p.codes + std::min(o + PREFETCH_AHEAD, n - 1) * (k / 2), k / 2);
       float shift[R];
       for (int r = 0; r < R; ++r)
         shift[r] = output_scales(p.d + o * groups, p.m + o * groups, step + r * groups,
                                  sum + r * groups, groups, scale + r * groups);
       // even and odd groups sum apart: two chains of adds instead of one
-      __m256 even[R], odd[R];
-      for (int r = 0; r < R; ++r) even[r] = odd[r] = _mm256_setzero_ps();
+      GroupSums even[R], odd[R];
+      for (int r = 0; r < R; ++r) even[r] = odd[r] = no_sums();
       int64_t g = 0;
       for (; g + 2 <= groups; g += 2) {
         q4_group<R>(codes + g * 16, xq + g * GROUP, k, scale + g, groups, even);
@@ -226,7 +260,7 @@ void q4_product(const Q4Problem<T>& p, int threads) {
       }
       if (g < groups) q4_group<R>(codes + g * 16, xq + g * GROUP, k, scale + g, groups, even);
       for (int r = 0; r < R; ++r)
-        narrow(lanes_sum(_mm256_add_ps(even[r], odd[r])) + shift[r], p.y + r * n + o);
+        narrow(sums_total(even[r], odd[r]) + shift[r], p.y + r * n + o);
     }
   }
 }
