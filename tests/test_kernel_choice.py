@@ -351,6 +351,29 @@ def test_prompt_copies_are_picked_shape_by_shape_with_a_margin_of_their_own(cach
 
 
 @needs_onednn
+def test_a_kept_copy_timing_against_another_plain_kernel_is_measured_again(cache, monkeypatch):
+    """A packed copy's timing is against the plain weight's pick: where that pick changed (its
+    kept timings measured again, now MKL's product faster than oneDNN's), the copy's kept
+    timing is not trusted, and the copy is timed against the new pick."""
+    rows = _prompt_copies_timed(monkeypatch, 1.0)
+    monkeypatch.setattr(kc, "_time_linear", lambda kernels, weight, n, prepare=None: {
+        name: 1e-3 if name == "onednn" else 2e-3 for name in kernels})
+    weights = [torch.randn(48, 32)]
+    for plain, from_disk, timings in (("onednn", False, 1), ("onednn", True, 1),
+                                      ("torch", False, 2)):
+        if plain == "torch":  # the projection's kept timings, as a new measurement leaves them
+            entries = json.loads(cache.read_text())
+            for key in (k for k in entries if "|linear|" in k):
+                entries[key]["torch"] = entries[key]["onednn"] / 4
+            cache.write_text(json.dumps(entries))
+        choice = kc.KernelChoice(torch.float32)
+        choice.measure(weights, HEADS, 64)
+        [copy] = [p for p in choice.picks if p.op == "prompt-weights"]
+        assert [p.kernel for p in choice.picks if p.op == "linear" and p.rows == 64] == [plain]
+        assert copy.from_disk == from_disk and len(rows) == timings
+
+
+@needs_onednn
 def test_prompt_copies_that_would_crowd_memory_are_not_offered(cache, monkeypatch):
     """Copies of more than PROMPT_COPY_MEMORY of the memory available are not timed, nor made
     however much faster they would be; within it they are."""

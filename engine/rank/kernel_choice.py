@@ -241,6 +241,7 @@ class KernelChoice:
     dtype: torch.dtype
     picks: list[Pick] = field(default_factory=list)
     _linear: dict[tuple[int, int, int], Callable] = field(default_factory=dict)
+    _linear_names: dict[tuple[int, int, int], str] = field(default_factory=dict)  # its picks
     _attention: dict[tuple[torch.dtype, int], Callable] = field(default_factory=dict)
     _top_bucket: int = 0  # the largest bucket timed; more rows take its picks
     _decode_attention: dict[tuple[torch.dtype, int], Callable] = field(default_factory=dict)
@@ -341,6 +342,7 @@ class KernelChoice:
                                          lambda: _time_linear(linears, weight, rows))
                 self.picks.append(pick)
                 self._linear[(*shape, bucket)] = linears[pick.kernel]
+                self._linear_names[(*shape, bucket)] = pick.kernel
         kernels = attention_kernels(self.dtype)
         # the fused kernel's timings hold for its source only: a changed kernel times again
         source = f"fused {fused_attention.source_hash()}" if "fused" in kernels else ""
@@ -473,6 +475,11 @@ class KernelChoice:
             self.picks.append(pick)
             self._decode_attention[(self.dtype, bucket)] = kernels[pick.kernel]
 
+    def _plain(self, shape: tuple[int, ...], bucket: int) -> str:
+        """What a packed copy's timing against the plain weight depends on: the plain weight's
+        kernel (its pick), so a kept timing of another pick's is measured again."""
+        return f"plain {self._linear_names[(*shape, bucket)]}"
+
     def _choose_decode_copies(self, store: "TimingStore", weights: list[torch.Tensor]) -> None:
         """Time one row against each weight as it is (its 1-row pick) and packed for one row;
         shapes where packed wins get packed copies for decode steps (engine.rank.decode_weights)."""
@@ -483,7 +490,8 @@ class KernelChoice:
             pick = store.get_or_time(
                 Pick("decode-weights", shape, 1, "plain"), self.dtype, candidates,
                 lambda: _time_linear(candidates, weight, 1,
-                                     prepare={"packed": partial(gemm.pack_for_rows, rows=1)}))
+                                     prepare={"packed": partial(gemm.pack_for_rows, rows=1)}),
+                setup=self._plain(shape, 0))
             self.picks.append(pick)
             if pick.kernel == "packed":
                 self.packed_decode_shapes.add(shape)
@@ -517,7 +525,7 @@ class KernelChoice:
             pick = store.get_or_time(
                 Pick("prompt-weights", shape, rows, "plain", margin=PROMPT_COPY_MARGIN),
                 self.dtype, dict.fromkeys(("plain", "packed")),
-                lambda: _time_prompt_copy(plain, weight, rows))
+                lambda: _time_prompt_copy(plain, weight, rows), setup=self._plain(shape, bucket))
             self.picks.append(pick)
             if pick.kernel == "packed":
                 self.packed_prompt_shapes.add(shape)
