@@ -59,7 +59,13 @@ def test_bf16_rounding_is_torchs_bit_for_bit(check):
     want = torch.from_numpy(x).bfloat16()
     assert np.array_equal(stored, want.view(torch.int16).numpy().view(np.uint16))
     assert np.array_equal(rounded, want.float().numpy())
-    nan = _padded(np.array([np.nan, -np.nan]), lanes)
-    check.bf16_of(nan.ctypes.data, rounded.ctypes.data, stored.ctypes.data, len(nan))
-    assert np.isnan(rounded[:2]).all()
-    assert np.isnan(torch.from_numpy(stored[:2].view(np.int16).copy()).view(torch.bfloat16).float()).all()
+    # NaNs, those whose payload lies in the low 16 bits too (truncated, they would read as
+    # infinities), beside a denormal (the vectors that take the bit arithmetic) and not
+    # (bit patterns throughout: a float64 copy on the way would quiet them)
+    payloads = [0x7FC00000, 0xFFC00000, 0x7F800001, 0xFF800001, 0x7F80FFFF]
+    for beside in (0x3F800000, 0x00000001):  # 1.0, the smallest denormal
+        bits = payloads + [beside] + [0] * ((-len(payloads) - 1) % lanes)
+        nan = np.array(bits, np.uint32).view(np.float32)
+        check.bf16_of(nan.ctypes.data, rounded.ctypes.data, stored.ctypes.data, len(nan))
+        assert np.isnan(rounded[:5]).all()
+        assert np.isnan(torch.from_numpy(stored[:5].view(np.int16).copy()).view(torch.bfloat16).float()).all()

@@ -128,22 +128,17 @@ template <typename T>
 inline vf rounded_as(vf v);
 template <>
 inline vf rounded_as<float>(vf v) { return v; }
-// With AVX512-BF16 one instruction rounds 16 floats to bf16 (vcvtneps2bf16: to nearest even, a
-// NaN stays a NaN), in place of the bit arithmetic's eight; it reads a denormal float (below
-// 2^-126) as zero, where the bit arithmetic keeps it: no activation of a model lies there.
 template <>
 inline vf rounded_as<bf16>(vf v) {
-#if defined(__AVX512BF16__)
-  return (vf)_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh((__m512)v)), 16);
-#else
   typedef uint32_t vu __attribute__((vector_size(W * 4)));
   vu bits;
   std::memcpy(&bits, &v, sizeof bits);
   const vu rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
   vf out;
   std::memcpy(&out, &rounded, sizeof out);
-  return v != v ? v : out;
-#endif
+  // a NaN as torch rounds it (0x7FC0): the NaN itself could lose its payload's bits to the
+  // truncation in store_rounded and read as an infinity
+  return v != v ? splat(NAN) : out;
 }
 
 // W floats already rounded to T's precision (rounded_as<T>) stored as T: a bf16 is the upper half
@@ -159,10 +154,4 @@ inline void store_rounded(bf16* p, vf v) {
 
 // W floats stored as T (bf16: rounded to nearest even)
 inline void store_narrowed(float* p, vf v) { store(p, v); }
-inline void store_narrowed(bf16* p, vf v) {
-#if defined(__AVX512BF16__)  // as rounded_as<bf16>
-  _mm256_storeu_si256((__m256i*)p, (__m256i)_mm512_cvtneps_pbh((__m512)v));
-#else
-  store_rounded(p, rounded_as<bf16>(v));
-#endif
-}
+inline void store_narrowed(bf16* p, vf v) { store_rounded(p, rounded_as<bf16>(v)); }

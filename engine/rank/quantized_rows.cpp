@@ -195,25 +195,11 @@ float output_scales(const T* d, const T* m, const float* step, const float* sum,
 using GroupSums = __m512;
 inline GroupSums no_sums() { return _mm512_setzero_ps(); }
 inline float sums_total(GroupSums a, GroupSums b) { return _mm512_reduce_add_ps(_mm512_add_ps(a, b)); }
-
-// One group's 16 code bytes against R rows' 32 int16 inputs, into acc[r].
-template <int R>
-inline void q4_group(const uint8_t* codes, const int16_t* xq, int64_t k, const float* scale,
-                     int64_t groups, GroupSums* acc) {
-  const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
-  // codes 0-15 (low nibbles) then 16-31 (high ones): the group's 32 inputs' order
-  const __m512i w = _mm512_inserti64x4(
-      _mm512_castsi256_si512(_mm256_and_si256(bytes, _mm256_set1_epi16(15))),
-      _mm256_srli_epi16(bytes, 4), 1);
-  for (int r = 0; r < R; ++r) {
-    const __m512i dot = _mm512_dpwssd_epi32(_mm512_setzero_si512(), w, _mm512_loadu_si512(xq + r * k));
-    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(scale[r * groups]), acc[r]);
-  }
-}
 #else
 using GroupSums = __m256;
 inline GroupSums no_sums() { return _mm256_setzero_ps(); }
 inline float sums_total(GroupSums a, GroupSums b) { return lanes_sum(_mm256_add_ps(a, b)); }
+#endif
 
 // One group's 16 code bytes against R rows' 32 int16 inputs, into acc[r].
 template <int R>
@@ -222,6 +208,14 @@ inline void q4_group(const uint8_t* codes, const int16_t* xq, int64_t k, const f
   const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes)));
   const __m256i low = _mm256_and_si256(bytes, _mm256_set1_epi16(15));
   const __m256i high = _mm256_srli_epi16(bytes, 4);
+#if defined(__AVX512BW__) && defined(__AVX512VNNI__)
+  // codes 0-15 (low nibbles) then 16-31 (high ones): the group's 32 inputs' order
+  const __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1);
+  for (int r = 0; r < R; ++r) {
+    const __m512i dot = _mm512_dpwssd_epi32(_mm512_setzero_si512(), w, _mm512_loadu_si512(xq + r * k));
+    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(scale[r * groups]), acc[r]);
+  }
+#else
   for (int r = 0; r < R; ++r) {
     const __m256i* x = reinterpret_cast<const __m256i*>(xq + r * k);
     const __m256i x_low = _mm256_loadu_si256(x), x_high = _mm256_loadu_si256(x + 1);
@@ -229,8 +223,8 @@ inline void q4_group(const uint8_t* codes, const int16_t* xq, int64_t k, const f
                                          _mm256_madd_epi16(high, x_high));
     acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(scale[r * groups]), acc[r]);
   }
-}
 #endif
+}
 
 template <typename T, int R>
 void q4_product(const Q4Problem<T>& p, int threads) {
