@@ -60,8 +60,8 @@ def test_bf16_rounding_is_torchs_bit_for_bit(check):
     assert np.array_equal(stored, want.view(torch.int16).numpy().view(np.uint16))
     assert np.array_equal(rounded, want.float().numpy())
     # NaNs, those whose payload lies in the low 16 bits too (truncated, they would read as
-    # infinities), beside a denormal (the vectors that take the bit arithmetic) and not
-    # (bit patterns throughout: a float64 copy on the way would quiet them)
+    # infinities), beside a normal value and a denormal (bit patterns throughout: a float64
+    # copy on the way would quiet them)
     payloads = [0x7FC00000, 0xFFC00000, 0x7F800001, 0xFF800001, 0x7F80FFFF]
     for beside in (0x3F800000, 0x00000001):  # 1.0, the smallest denormal
         bits = payloads + [beside] + [0] * ((-len(payloads) - 1) % lanes)

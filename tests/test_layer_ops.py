@@ -51,9 +51,8 @@ def test_add_rmsnorm_is_the_norm_of_the_sum(backend, dtype, rows, d):
 
 
 def test_bf16_sums_round_as_torch_at_ties_and_special_values(backend):
-    """The vector rounding to bf16 (one AVX512-BF16 instruction where the CPU has it, bit
-    arithmetic elsewhere) against torch's add in bf16: ties to even, sums past bf16's largest
-    value to inf, NaN and the infinities kept, on 16-value vectors and the scalar tail."""
+    """The vector rounding to bf16 against torch's add in bf16: ties to even, sums past bf16's
+    largest value to inf, NaN and the infinities kept, on whole vectors and the scalar tail."""
     big = torch.finfo(torch.bfloat16).max
     x = torch.tensor([1.0, 1.0 + 2 ** -7, big, -big, float("nan"), float("inf"), -float("inf"),
                       float("inf"), 3.0, 0.0, -0.0, 2 ** -100, 1.0, -1.0, 7.0, 0.5] * 2 + [1.0],
