@@ -43,13 +43,13 @@ def eager(llama):
         yield llm
 
 
-def _graph_rows_timed(tmp_path: Path, faster: str,
-                      eager_steps: tuple[str, ...] = ()) -> pytest.MonkeyPatch:
+def _graph_rows_timed(tmp_path: Path, faster: str, eager_steps: tuple[str, ...] = (),
+                      one_call_decode: bool = False) -> pytest.MonkeyPatch:
     """The start-up timing of a graph's one-row products made to pick `faster`, in a timings
     folder of its own (a kept timing would be read instead); the decode graph's attention made
     to pick the fused kernel (so every decode graph here runs it); and the timing of whole
     steps made to keep every kind's graphs but `eager_steps`' (each candidate still runs
-    once)."""
+    once), or, `one_call_decode`, decode steps' layers in one C++ call (slowest otherwise)."""
     mp = pytest.MonkeyPatch()
     mp.setenv("PREFILL_ENGINE_CACHE", str(tmp_path))
     slower = {"multiply-and-sum": "torch", "torch": "multiply-and-sum"}[faster]
@@ -60,7 +60,11 @@ def _graph_rows_timed(tmp_path: Path, faster: str,
     def time_step(kind, candidates, rounds):
         for run in candidates.values():
             run()
-        return {"graph": 2.0, "eager": 1.0} if kind in eager_steps else {"graph": 1.0, "eager": 2.0}
+        eager_first = kind in eager_steps
+        seconds = {"graph": 2.0 if eager_first else 1.0, "eager": 1.0 if eager_first else 2.0}
+        if "one-call" in candidates:
+            seconds["one-call"] = 0.5 if one_call_decode else 3.0
+        return seconds
 
     mp.setattr(kernel_choice, "_time_step", time_step)
     return mp
@@ -169,6 +173,29 @@ def test_a_step_kind_timed_faster_eagerly_runs_eagerly(llama, want, tmp_path, ea
         assert "layers" in graphs and decode_steps == {""}
     else:
         assert "layers" not in graphs and "decode-4" in graphs
+    want_logits, want_tokens = want
+    for got, expected in zip(logits, want_logits):
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    assert tokens == want_tokens
+
+
+def test_decode_steps_timed_fastest_as_one_call_run_so(llama, want, tmp_path):
+    """A float model's decode steps may run their layers in one C++ call (the quantized layers'
+    op, streaming the weights as they are): where that timed fastest after the warm-up, every
+    decode step takes it (rank_info's graph-decode line says so, each step's graph is
+    "layers-call"), prompts keep their graph, and the answers are eager's."""
+    mp = _graph_rows_timed(tmp_path, "multiply-and-sum", one_call_decode=True)
+    try:
+        with LLM(llama, compile=True, **SETTINGS) as llm:
+            [line] = [k for k in llm.rank_info()[0].kernels if k.startswith("graph-decode ")]
+            before = len(llm.step_timings())
+            logits, tokens = _run(llm)
+            steps = llm.step_timings()[before:]
+    finally:
+        mp.undo()
+    assert ": one-call (" in line and "graph " in line and "eager " in line
+    assert {t.graph for t in steps if t.num_tokens == t.num_seqs} == {"layers-call"}
+    assert "layers" in {t.graph for t in steps}
     want_logits, want_tokens = want
     for got, expected in zip(logits, want_logits):
         torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)

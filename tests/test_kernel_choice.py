@@ -794,18 +794,40 @@ def test_prompts_fuse_the_silu_mul_where_packed_halves_won(tiny_model_dir, cache
     assert outs["measure"] == outs["fixed"]
 
 
+def _graph_steps(ways: dict[str, tuple[str, ...]], built_in: dict[str, str]) -> tuple[dict, list]:
+    """Steps of each kind for choose_graph_steps, each way a run that notes (kind, way)."""
+    ran = []
+    steps = {kind: (8, {way: lambda kind=kind, way=way: ran.append((kind, way)) for way in w},
+                    built_in[kind]) for kind, w in ways.items()}
+    return steps, ran
+
+
 @pytest.mark.parametrize("eager_faster", [1.01, 1.05])
 def test_prompt_steps_go_eager_by_a_smaller_margin_than_decode_steps(cache, monkeypatch,
                                                                      eager_faster):
     """A step kind keeps its graphs unless timed faster eagerly: a prompt by more than
     GRAPH_PROMPT_MARGIN, a decode step by more than MARGIN; both kinds' runs are timed."""
-    ran = []
     monkeypatch.setattr(kc, "_time_step", lambda kind, candidates, rounds: (
         [run() for run in candidates.values()] and {"graph": 1e-3 * eager_faster, "eager": 1e-3}))
-    steps = {kind: (8, lambda graph, kind=kind: ran.append((kind, graph)))
-             for kind in ("prompt", "decode")}
-    keep = kc.KernelChoice(torch.float32).choose_graph_steps(steps, (2, 32), "setup")
+    steps, ran = _graph_steps({"prompt": ("graph", "eager"), "decode": ("graph", "eager")},
+                              {"prompt": "graph", "decode": "graph"})
+    ways = kc.KernelChoice(torch.float32).choose_graph_steps(steps, (2, 32), "setup")
     assert kc.GRAPH_PROMPT_MARGIN < 1.05 < kc.MARGIN
-    assert keep == {"prompt": eager_faster < kc.GRAPH_PROMPT_MARGIN, "decode": True}
-    assert sorted(ran) == [("decode", False), ("decode", True), ("prompt", False),
-                           ("prompt", True)]
+    assert ways == {"prompt": "graph" if eager_faster < kc.GRAPH_PROMPT_MARGIN else "eager",
+                    "decode": "graph"}
+    assert sorted(ran) == [("decode", "eager"), ("decode", "graph"), ("prompt", "eager"),
+                           ("prompt", "graph")]
+
+
+@pytest.mark.parametrize("graph_faster,way", [(1.05, "one-call"), (1.2, "graph")])
+def test_a_decode_step_keeps_its_one_call_unless_another_way_is_faster_by_the_margin(
+        cache, monkeypatch, graph_faster, way):
+    """Where a float model's decode step can run as one C++ call, that is the way kept: the
+    graphs must time faster by MARGIN to take its place; every way runs."""
+    monkeypatch.setattr(kc, "_time_step", lambda kind, candidates, rounds: (
+        [run() for run in candidates.values()]
+        and {"graph": 1e-3 / graph_faster, "eager": 2e-3, "one-call": 1e-3}))
+    steps, ran = _graph_steps({"decode": ("graph", "eager", "one-call")}, {"decode": "one-call"})
+    ways = kc.KernelChoice(torch.float32).choose_graph_steps(steps, (2, 32), "setup")
+    assert ways == {"decode": way}
+    assert sorted(ran) == [("decode", "eager"), ("decode", "graph"), ("decode", "one-call")]

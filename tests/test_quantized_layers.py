@@ -1,8 +1,9 @@
 """engine.rank.quantized_layers: a decode step's layers as one C++ call (quantized_rows.cpp's
 quantized_decode_layers) against float64 layers written here (RMSNorm, the weights dequantized by
 hand from their codes, RoPE by its formula, softmax attention over each row's context read
-through its block table, SiLU·mul), for int8 and int4 weights, float32 and bf16, rows past the
-products' 4 at a time, query groups and biases; the KV cache holding each layer's rotated K and
+through its block table, SiLU·mul), for int8 and int4 weights and float ones (a float model's
+decode steps may take the call), float32 and bf16, rows past the products' 4 at a time, query
+groups and biases; the KV cache holding each layer's rotated K and
 V afterwards; refusals; an engine whose rows decode alike alone and in a batch of six; and
 engines whose decode steps run it (tests/test_quantized_rows.py)."""
 from __future__ import annotations
@@ -25,8 +26,10 @@ EPS = 1e-5
 # 5.5e-7, its float32 sums; float32 int4 4.5e-4, the int16 rounding of x per group; bf16 2.8e-2,
 # its 2^-8 rounding at each of a layer's ~8 rounded steps, over two layers)
 BOUND = {(torch.float32, "int8"): 5e-6, (torch.float32, "int4"): 1e-3,
-         (torch.bfloat16, "int8"): 6e-2, (torch.bfloat16, "int4"): 6e-2}
-QUANTIZE = {"int8": int8_per_channel, "int4": int4_groups}
+         (torch.bfloat16, "int8"): 6e-2, (torch.bfloat16, "int4"): 6e-2,
+         (torch.float32, "float"): 5e-6, (torch.bfloat16, "float"): 6e-2}
+# "float": a float model's weight as it is (its decode steps may take the call too)
+QUANTIZE = {"int8": int8_per_channel, "int4": int4_groups, "float": lambda weight: weight}
 
 
 @pytest.fixture(autouse=True)
@@ -37,7 +40,10 @@ def _libraries():
 
 def _dequantized(weight) -> torch.Tensor:
     """The float64 weight its codes stand for: int8 q s; int4 d q + m per group of 32, the
-    group's code i in the low nibble of byte i and code i + 16 in the high one."""
+    group's code i in the low nibble of byte i and code i + 16 in the high one; a float weight
+    as it is."""
+    if isinstance(weight, torch.Tensor):
+        return weight.double()
     if weight.kind == "int8":
         return weight.codes.double() * weight.scales.double()[:, None]
     n, k = weight.shape
@@ -48,7 +54,11 @@ def _dequantized(weight) -> torch.Tensor:
 
 
 def _pair(weight) -> tuple[torch.Tensor, torch.Tensor]:
-    return (weight.codes, weight.scales) if weight.kind == "int8" else (weight.nibbles, weight.steps)
+    if isinstance(weight, torch.Tensor):  # a float weight: no scales
+        return weight, weight.new_empty(0)
+    if weight.kind == "int8":
+        return weight.codes, weight.scales
+    return weight.nibbles, weight.steps
 
 
 def _norm(s, w):
@@ -165,7 +175,7 @@ def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, kind: str)
     assert error < BOUND[dtype, kind], f"{error:.2e} of the largest |value|"
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("kind", ["int8", "int4", "float"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 3, 6])
 def test_layers_match_float64(kind, dtype, rows):
@@ -185,7 +195,7 @@ def test_layers_match_float64(kind, dtype, rows):
     assert torch.equal(flat[:, :, untouched], flat_before[:, :, untouched])
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("kind", ["int8", "int4", "float"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_call_per_part_matches_float64_and_the_one_call(kind, dtype):
     """A rank of tp > 1 calls each layer's attention and MLP apart (the sum over ranks goes
@@ -224,6 +234,17 @@ def test_refusals_name_the_problem():
     setup.slots[1] = 0
     setup.first_layer = 1  # two layers' tensors from the cache's second, of two
     with pytest.raises(ValueError, match=r"holding the listed layers \[1, 3\)"):
+        setup.run()
+
+
+def test_a_float_weight_not_of_the_activations_dtype_is_refused():
+    """A float weight is multiplied as it is, so it must be of the activations' dtype (a bf16
+    o_proj in a float32 step is refused, not read as float32), and takes no scales."""
+    setup = Setup("float", torch.float32, 2, bias=False)
+    setup.layers[1].o = setup.layers[1].o.bfloat16()
+    with pytest.raises(ValueError, match=r"o_proj must be int8 codes .* or values \[n, k\] of "
+                                         r"that dtype with an empty tensor for scales; got "
+                                         r"BFloat16"):
         setup.run()
 
 

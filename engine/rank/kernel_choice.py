@@ -439,26 +439,27 @@ class KernelChoice:
             "its tensor math")
         self.graph_decode_fused = pick is not None and pick.kernel == "fused"
 
-    def choose_graph_steps(self, steps: dict[str, tuple[int, Callable[[bool], object]]],
+    def choose_graph_steps(self, steps: dict[str, tuple[int, dict[str, Callable[[], object]], str]],
                            model_shape: tuple[int, ...], setup: str,
-                           rounds: int = 3) -> dict[str, bool]:
-        """compile=True on one rank: each kind of step ("prompt", "decode": its row count, and a
-        run of one through its compiled graphs (True) or eagerly) timed both ways, alternated;
-        a kind keeps its graphs unless eager is faster by MARGIN (a prompt: by
-        GRAPH_PROMPT_MARGIN). A fixed number of runs (`rounds`). Kept on disk like the other
-        timings, under the model's shape and the settings a step's speed depends on (`setup`):
-        timing whole steps took 2-3 s of every compiled start-up of SmolLM2 on the AMX Xeon."""
-        store, keep = TimingStore.open(), {}
-        for kind, (rows, run) in steps.items():
-            candidates = {"graph": partial(run, True), "eager": partial(run, False)}
+                           rounds: int = 3) -> dict[str, str]:
+        """compile=True on one rank: each kind of step ("prompt", "decode": its row count, a run
+        of one each way it can take: "graph" (its compiled graphs), "eager", and for a float
+        model's decode steps where the C++ layers take them "one-call"; and the way kept unless
+        another is faster by MARGIN (a prompt: by GRAPH_PROMPT_MARGIN)) timed every way,
+        alternated; the way each kind runs. A fixed number of runs (`rounds`). Kept on disk
+        like the other timings, under the model's shape and the settings a step's speed depends
+        on (`setup`): timing whole steps took 2-3 s of every compiled start-up of SmolLM2 on the
+        AMX Xeon."""
+        store, ways = TimingStore.open(), {}
+        for kind, (rows, candidates, built_in) in steps.items():
             margin = GRAPH_PROMPT_MARGIN if kind == "prompt" else MARGIN
-            pick = store.get_or_time(Pick(f"graph-{kind}", model_shape, rows, "graph",
+            pick = store.get_or_time(Pick(f"graph-{kind}", model_shape, rows, built_in,
                                           margin=margin), self.dtype, candidates,
                                      partial(_time_step, kind, candidates, rounds), setup)
             self.picks.append(pick)
-            keep[kind] = pick.kernel == "graph"
+            ways[kind] = pick.kernel
         store.save()
-        return keep
+        return ways
 
     def _choose_decode_attention(self, store: "TimingStore", heads: tuple[int, int, int],
                                  max_context: int) -> None:

@@ -34,28 +34,30 @@ from engine.rank.quantized import KERNEL_ROWS, QuantizedWeight
 from engine.rank.step_context import StepContext
 
 
-def _pair(weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
-    """The two tensors the op takes for a weight: int8 (codes, scales), int4 (nibbles, steps)."""
+def _pair(weight: QuantizedWeight | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two tensors the op takes for a weight: int8 (codes, scales), int4 (nibbles, steps),
+    a float weight (its values, no scales)."""
+    if not isinstance(weight, QuantizedWeight):
+        return weight, weight.new_empty(0)
     return (weight.codes, weight.scales) if weight.kind == "int8" else (weight.nibbles, weight.steps)
+
+
+def _projections(layer: nn.Module) -> tuple[nn.Module, ...]:
+    attn, mlp = layer.self_attn, layer.mlp
+    return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
 
 
 def unfit_reason(model: nn.Module, seconds: dict[tuple[str, tuple[int, int]], dict[str, float]],
                  kv_head_of_q: list[int]) -> str | None:
-    """Why `model`'s decode steps cannot run as one call here (None: they can). `seconds`: each
-    quantized (kind, shape)'s timed product, per kernel (KernelChoice.quantized_rows_seconds).
-    The call runs the C++ products for all of a layer's projections, so it is taken where they
-    timed faster together than torch's: a shape picked apart by a few percent either way (the
-    SmolLM2 gate/up's was, from run to run) must not turn it off."""
-    layer = model.layers[0]
-    attn, mlp = layer.self_attn, layer.mlp
-    projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-    if not all(isinstance(p.weight, QuantizedWeight) for p in projections):
+    """Why `model`'s quantized decode steps cannot run as one call here (None: they can).
+    `seconds`: each quantized (kind, shape)'s timed product, per kernel
+    (KernelChoice.quantized_rows_seconds). The call runs the C++ products for all of a layer's
+    projections, so it is taken where they timed faster together than torch's: a shape picked
+    apart by a few percent either way (the SmolLM2 gate/up's was, from run to run) must not turn
+    it off."""
+    if not all(isinstance(p.weight, QuantizedWeight) for p in _projections(model.layers[0])):
         return "the projections are not quantized"
-    if attn.o_proj.bias is not None or mlp.down_proj.bias is not None:
-        return "a row-parallel projection has a bias"
-    shapes = {(p.weight.kind, p.weight.shape) for m in model.layers
-              for p in (m.self_attn.qkv_proj, m.self_attn.o_proj, m.mlp.gate_up_proj,
-                        m.mlp.down_proj)}
+    shapes = {(p.weight.kind, p.weight.shape) for m in model.layers for p in _projections(m)}
     timed = [seconds.get(shape, {}) for shape in shapes]
     if not all("fused" in t and "torch" in t for t in timed):
         return "the C++ row products were not timed for every projection (kernel_choice='fixed')"
@@ -63,19 +65,42 @@ def unfit_reason(model: nn.Module, seconds: dict[tuple[str, tuple[int, int]], di
     if fused > torch_s:
         return (f"torch's products timed faster together ({torch_s * 1e3:.3g} against "
                 f"{fused * 1e3:.3g} ms a layer)")
-    dtype = projections[0].weight.dtype
-    if not (fused_attention.takes_paged_decode(dtype, attn.head_dim, kv_head_of_q)
-            and fused_attention.available()):
+    return _layers_unfit(model, kv_head_of_q)
+
+
+def float_unfit_reason(model: nn.Module, kv_head_of_q: list[int]) -> str | None:
+    """Why a float model's decode steps cannot run as one call here (None: they can; a step
+    timed each way after the warm-up decides whether they do, Worker._choose_graph_steps)."""
+    weights = [p.weight for m in model.layers for p in _projections(m)]
+    if any(isinstance(w, QuantizedWeight) for w in weights):
+        return "the projections are quantized"
+    if not all(w.device.type == "cpu" and w.dtype in quantized_rows.DTYPES and w.is_contiguous()
+               and w.shape[1] % quantized_rows.K_MULTIPLE["float"] == 0 for w in weights):
+        return ("the projections are not contiguous float32/bfloat16 CPU weights with inputs "
+                f"in multiples of {quantized_rows.K_MULTIPLE['float']}")
+    if not quantized_rows.available():
+        return "the C++ layers are not built here"
+    return _layers_unfit(model, kv_head_of_q)
+
+
+def _layers_unfit(model: nn.Module, kv_head_of_q: list[int]) -> str | None:
+    attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
+    if attn.o_proj.bias is not None or mlp.down_proj.bias is not None:
+        return "a row-parallel projection has a bias"
+    if not (fused_attention.takes_paged_decode(attn.o_proj.weight.dtype, attn.head_dim,
+                                               kv_head_of_q) and fused_attention.available()):
         return "the fused decode attention does not take these heads here"
     return None
 
 
-class QuantizedDecode:
+class DecodeLayersCall:
     """Runs a decode step's layers in one call; its context is a decode graph's (padded_decode's
     PaddedDecode meta: int32 slots, block table and lengths), padded to no bucket."""
 
-    def __init__(self, model: nn.Module):
-        self.model = model
+    def __init__(self, model: nn.Module, head: nn.Module | None = None):
+        """`head`: the view whose final norm and LM head give the logits (a bf16 model's decode
+        view, whose LM head may read a packed copy); `model` by default."""
+        self.model, self.head = model, head or model
         attn = model.layers[0].self_attn
         self._heads = (attn.qkv_proj.q_size // attn.head_dim, attn.attn.scale)
         self._rotary = (attn.rotary_emb.cos, attn.rotary_emb.sin)
@@ -116,9 +141,9 @@ class QuantizedDecode:
             for layer, lists in enumerate(self._each):
                 for part in (0, 1):
                     x = model.tp.all_reduce(run(x, lists, layer, part, 1))
-        x, _ = model.norm(x, residual)
+        x, _ = self.head.norm(x, residual)
         # the LM head KERNEL_ROWS rows at a time, as its C++ kernel takes them (more rows would
         # take torch's kernel, whose other roundings would make a row's token depend on how
         # many sequences share its step)
-        return torch.cat([model.lm_head.local(x[i:i + KERNEL_ROWS])
+        return torch.cat([self.head.lm_head.local(x[i:i + KERNEL_ROWS])
                           for i in range(0, len(x), KERNEL_ROWS)])

@@ -19,6 +19,9 @@
 // 32767: an error of at most e/2, 2^-16 of the group's largest value), so a group's 32 products
 // are integer multiply-adds (AVX2 vpmaddwd, AVX512-VNNI vpdpwssd); their sum is scaled by d e, and
 // m multiplies the group's float sum of x. Needs AVX2 (q4_rows_supported says so).
+//
+// float (a float32 or bf16 model's decode steps through the layers op, where they timed faster
+// than its decode graphs): the weight's own values [n][k], widened as they are read.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -48,44 +51,55 @@ inline void prefetch(const void* from, int64_t bytes) {
   for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(from) + b);
 }
 
-template <typename T>
+// A weight's element as a product reads it: int8 codes, or float32 / bf16 values as they are (a
+// float model's decode steps through the layers op: engine/rank/quantized_layers.py)
+inline vf load_weight(const int8_t* p) { return load_int8(p); }
+inline vf load_weight(const float* p) { return load(p); }
+inline vf load_weight(const bf16* p) { return load_widened(p); }
+
+// C: int8 codes, each output scaled by its scale; or the activations' own type T, unscaled
+template <typename T, typename C>
 struct RowsProblem {
   const float* x;  // [rows][k], widened
-  const int8_t* codes;  // [n][k]
-  const T* scales;      // [n]
-  T* y;                 // [rows][n]
+  const C* codes;  // [n][k]
+  const T* scales;  // [n], or nullptr (values as they are)
+  T* y;             // [rows][n]
   int64_t n, k;
 };
 
-template <typename T, int R>
-void rows_product(const RowsProblem<T>& p, int threads) {
+template <typename T, typename C, int R>
+void rows_product(const RowsProblem<T, C>& p, int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads)
   for (int64_t o = 0; o < p.n; ++o) {
-    const int8_t* codes = p.codes + o * p.k;
-    prefetch(p.codes + std::min(o + PREFETCH_AHEAD, p.n - 1) * p.k, p.k);
+    const C* codes = p.codes + o * p.k;
+    prefetch(p.codes + std::min(o + PREFETCH_AHEAD, p.n - 1) * p.k, p.k * sizeof(C));
     vf acc[R];
     for (int r = 0; r < R; ++r) acc[r] = splat(0.f);
     for (int64_t i = 0; i < p.k; i += W) {
-      const vf w = load_int8(codes + i);
+      const vf w = load_weight(codes + i);
       for (int r = 0; r < R; ++r) acc[r] += load(p.x + r * p.k + i) * w;
+    }
+    if (p.scales == nullptr) {
+      for (int r = 0; r < R; ++r) narrow(hsum(acc[r]), p.y + r * p.n + o);
+      continue;
     }
     const float scale = widen(p.scales[o]);
     for (int r = 0; r < R; ++r) narrow(hsum(acc[r]) * scale, p.y + r * p.n + o);
   }
 }
 
-template <typename T>
-void rows_any(const T* x, int64_t x_stride, int64_t rows, const int8_t* codes, const T* scales,
+template <typename T, typename C>
+void rows_any(const T* x, int64_t x_stride, int64_t rows, const C* codes, const T* scales,
               T* y, int64_t n, int64_t k, int threads) {
   std::vector<float> widened(static_cast<size_t>(rows * k));
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t i = 0; i < k; ++i) widened[r * k + i] = widen(x[r * x_stride + i]);
-  const RowsProblem<T> p{widened.data(), codes, scales, y, n, k};
+  const RowsProblem<T, C> p{widened.data(), codes, scales, y, n, k};
   switch (rows) {
-    case 1: return rows_product<T, 1>(p, threads);
-    case 2: return rows_product<T, 2>(p, threads);
-    case 3: return rows_product<T, 3>(p, threads);
-    default: return rows_product<T, 4>(p, threads);
+    case 1: return rows_product<T, C, 1>(p, threads);
+    case 2: return rows_product<T, C, 2>(p, threads);
+    case 3: return rows_product<T, C, 3>(p, threads);
+    default: return rows_product<T, C, 4>(p, threads);
   }
 }
 
@@ -335,22 +349,25 @@ at::Tensor q4_rows(const at::Tensor& x_in, const at::Tensor& nibbles, const at::
 
 // ---- A decode step's layers (engine/rank/quantized_layers.py) ----
 
-// A projection's weight as the layers take it: int8 codes [n][k] with scales [n], or int4 nibbles
-// [n][k/2] with steps [2][n][k/32][1]. Its outputs n; checks it multiplies rows of `k_expected`.
+// A projection's weight as the layers take it: int8 codes [n][k] with scales [n], int4 nibbles
+// [n][k/2] with steps [2][n][k/32][1], or (a float model's) values [n][k] of the activations'
+// dtype with no scales (an empty tensor). Its outputs n; checks it multiplies rows of `k_expected`.
 int64_t weight_outputs(const at::Tensor& codes, const at::Tensor& scales, at::ScalarType dtype,
                        int64_t k_expected, const char* name) {
-  const bool int4 = codes.scalar_type() == at::kByte;
+  const bool int4 = codes.scalar_type() == at::kByte, dense = codes.scalar_type() == dtype;
   TORCH_CHECK_VALUE(codes.dim() == 2 && codes.is_contiguous() && scales.is_contiguous() &&
-                        (int4 || codes.scalar_type() == at::kChar) && scales.scalar_type() == dtype,
+                        (int4 || dense || codes.scalar_type() == at::kChar) &&
+                        (dense ? scales.numel() == 0 : scales.scalar_type() == dtype),
                     "quantized decode layers: ", name, " must be int8 codes [n, k] with scales [n] "
                     "or int4 nibbles [n, k/2] with steps [2, n, k/32, 1], of the activations' "
-                    "dtype ", dtype, "; got ", codes.scalar_type(), " ", codes.sizes(), " and ",
+                    "dtype ", dtype, ", or values [n, k] of that dtype with an empty tensor for "
+                    "scales; got ", codes.scalar_type(), " ", codes.sizes(), " and ",
                     scales.scalar_type(), " ", scales.sizes());
   const int64_t n = codes.size(0), k = int4 ? 2 * codes.size(1) : codes.size(1);
-  TORCH_CHECK_VALUE(k == k_expected && scales.numel() == (int4 ? 2 * n * (k / 32) : n) &&
+  TORCH_CHECK_VALUE(k == k_expected && (dense || scales.numel() == (int4 ? 2 * n * (k / 32) : n)) &&
                         k % (int4 ? 32 : W) == 0,
                     "quantized decode layers: ", name, " takes ", k, " inputs, the layer gives it ",
-                    k_expected);
+                    k_expected, " (a multiple of ", int4 ? 32 : W, ")");
 #if !defined(__AVX2__)
   TORCH_CHECK_NOT_IMPLEMENTED(!int4, "quantized decode layers: int4 products need AVX2");
 #endif
@@ -363,8 +380,14 @@ void project(const T* x, int64_t rows, int64_t k, const at::Tensor& codes,
              const at::Tensor& scales, T* y, int threads) {
   const int64_t n = codes.size(0);
   const T* s = static_cast<const T*>(scales.data_ptr());
+  const bool dense = codes.scalar_type() != at::kChar && codes.scalar_type() != at::kByte;
   for (int64_t r = 0; r < rows; r += MOST_ROWS) {
     const int64_t take = std::min(MOST_ROWS, rows - r);
+    if (dense) {
+      rows_any(x + r * k, k, take, static_cast<const T*>(codes.data_ptr()),
+               static_cast<const T*>(nullptr), y + r * n, n, k, threads);
+      continue;
+    }
 #if defined(__AVX2__)
     if (codes.scalar_type() == at::kByte) {
       q4_any(x + r * k, k, take, codes.const_data_ptr<uint8_t>(), s, s + n * (k / GROUP),
@@ -585,10 +608,11 @@ void check_step(const at::Tensor& x, const Step& s, int64_t layers, int64_t norm
 // the part before's output (summed over ranks, with tp > 1), and the residual (zeros before the
 // first layer), which it updates in place. Layer i's tensors are norms[2i : 2i + 2] (input,
 // post-attention), weights[8i : 8i + 8] (qkv, o, gate/up and down, each as its two tensors) and
-// biases[2i : 2i + 2] (qkv's, gate/up's, or None). An attention part: RMSNorm, the QKV product
-// (+ bias), RoPE, the new K/V stored and each row's attention over the cache, the O product. An
-// MLP part: RMSNorm of x plus the residual, the gate/up product (+ bias), SiLU·mul, the down
-// product. Returns the last part's output.
+// biases[2i : 2i + 2] (qkv's, gate/up's, or None); a weight's two tensors are int8 codes and
+// scales, int4 nibbles and steps, or float values and an empty tensor (weight_outputs). An
+// attention part: RMSNorm, the QKV product (+ bias), RoPE, the new K/V stored and each row's
+// attention over the cache, the O product. An MLP part: RMSNorm of x plus the residual, the
+// gate/up product (+ bias), SiLU·mul, the down product. Returns the last part's output.
 at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& residual, at::TensorList norms,
                          double eps, at::TensorList weights,
                          const c10::List<std::optional<at::Tensor>>& biases,

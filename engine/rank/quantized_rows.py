@@ -27,7 +27,7 @@ LIBRARY = CppLibrary(
     {"q4_rows_supported": [], "register_ops": []}, "quantized products keep torch's kernels",
     register="register_ops")
 DTYPES = (torch.float32, torch.bfloat16)
-K_MULTIPLE = {"int8": 16, "int4": 32}  # int8: the widest vector's floats; int4: a Q4 group
+K_MULTIPLE = {"int8": 16, "int4": 32, "float": 16}  # the widest vector's floats; int4: a Q4 group
 
 # the ops, as eager code and compiled graphs call them; their CPU kernels come with the library
 int8_rows = graph_op.declare(
@@ -39,8 +39,8 @@ q4_rows = graph_op.declare(
 
 # parts of a decode step's layers (engine.rank.quantized_layers; part 2i: the listed layer i's
 # attention, 2i + 1: its MLP; the cache's layer first_layer + i), the residual updated in place:
-# per listed layer 2 norms, its 4 weights as 8 tensors (int8 codes and scales, or int4 nibbles
-# and steps) and 2 biases
+# per listed layer 2 norms, its 4 weights as 8 tensors (int8 codes and scales, int4 nibbles
+# and steps, or a float model's weight and an empty tensor) and 2 biases
 quantized_decode_layers = graph_op.declare(
     "quantized_decode_layers(Tensor x, Tensor(a!) residual, Tensor[] norms, float eps, "
     "Tensor[] weights, Tensor?[] biases, Tensor cos, Tensor sin, Tensor positions, "

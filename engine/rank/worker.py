@@ -33,7 +33,7 @@ from engine.rank.overlap import with_halves
 from engine.rank.prompt_logprobs import score_batch
 from engine.rank.padded_decode import pad_decode_step
 from engine.rank.quantized import quantize_model, quantized_weights
-from engine.rank.quantized_layers import QuantizedDecode, unfit_reason
+from engine.rank.quantized_layers import DecodeLayersCall, float_unfit_reason, unfit_reason
 from engine.rank.sampler import Sampler, sample_into
 from engine.rank.step_context import DECODE, StepContext, step_mode
 from engine.rank.step_metadata import build_step_metadata
@@ -47,7 +47,8 @@ from parallel.context import make_groups
 # and 0.82x as fast as eager at 1k and 8k tokens of Llama-3-8B's layers)
 GRAPH_TIMING_TOKENS = 256
 GPU_GRAPH_TIMING_TOKENS = 2048
-QUANTIZED_DECODE = "quantized-decode"  # a StepContext's `graph`: QuantizedDecode runs its layers
+LAYERS_CALL = "layers-call"  # a StepContext's `graph`: DecodeLayersCall runs its layers
+ONE_CALL = "one-call"  # a decode step's way (graph-decode): the layers in one C++ call
 
 
 class Worker:
@@ -88,7 +89,7 @@ class Worker:
         self.load_s = time.perf_counter() - started
         self.kernel_choice_s = self._measure_kernels() if plan.measure_kernels else 0.0
         # weights=...: decode steps' layers in one C++ call (engine.rank.quantized_layers)
-        self.quantized_decode, self._quantized_decode_note = self._quantized_decode()
+        self.layers_call, self._quantized_decode_note = self._quantized_decode()
         self.decode_model, self.decode_bytes = self._decode_view()
         self.prompt_copy_bytes = self._make_prompt_copies()
         self.huge_page_bytes = 0 if plan.on_cuda else back_with_huge_pages(self._decode_tensors())
@@ -127,7 +128,7 @@ class Worker:
                     heads.kv_head_of_q_head(), self.plan.block_size, self.plan.max_model_len)
         return time.perf_counter() - started
 
-    def _quantized_decode(self) -> tuple[QuantizedDecode | None, str]:
+    def _quantized_decode(self) -> tuple[DecodeLayersCall | None, str]:
         """The runner of a quantized decode step's layers in one call, where this rank can run
         it, and what rank_info says of it."""
         plan = self.plan
@@ -139,7 +140,7 @@ class Worker:
             return None, f"quantized-decode-layers: off ({reason})"
         calls = ("one C++ call a step" if plan.world_size == 1
                  else "a C++ call per layer part, all-reduced between")
-        return QuantizedDecode(self.model), f"quantized-decode-layers: {calls}"
+        return DecodeLayersCall(self.model), f"quantized-decode-layers: {calls}"
 
     def _graph_key(self) -> str | None:
         """What this rank's compiled graphs depend on besides their code and tensor inputs,
@@ -236,33 +237,57 @@ class Worker:
         is the launches an eager decode step makes."""
         if not self.plan.time_graph_steps:
             return ()
-        if self.quantized_decode is not None:  # decode steps never run the graphs
+        if self.layers_call is not None:  # decode steps never run the graphs
             return ("prompt",)
         return ("prompt",) if self.plan.on_cuda else ("prompt", "decode")
 
     def _choose_graph_steps(self, kinds: tuple[str, ...]) -> None:
-        """Time a step of each kind through its graphs and eagerly; each kind keeps the faster
-        (KernelChoice.choose_graph_steps). A step returns its sampled token to the host, so on
-        a GPU too it has finished when it returns."""
+        """Time a step of each kind through its graphs and eagerly, and a float model's decode
+        step as one C++ call where its layers take it; each kind runs the fastest way
+        (KernelChoice.choose_graph_steps; the one call is the way kept unless another is 10 %
+        faster). A step returns its sampled token to the host, so on a GPU too it has finished
+        when it returns."""
         plan, compiled = self.plan, self.compiled
         most = GPU_GRAPH_TIMING_TOKENS if plan.on_cuda else GRAPH_TIMING_TOKENS
         tokens = min(most, plan.max_num_batched_tokens, plan.max_model_len - 1)
         context = min(GRAPH_TIMING_TOKENS, plan.max_model_len - 1)
         batches = {"prompt": warm_up_batch(tokens, 0, 1, plan.block_size),
                    "decode": warm_up_batch(1, context, 1, plan.block_size)}
+        layers_call = self._float_layers_call() if "decode" in kinds else None
 
-        def run(kind: str, graphs: bool) -> None:
-            compiled.graph_steps[kind] = graphs
+        def run(kind: str, way: str) -> None:
+            compiled.graph_steps[kind] = way == "graph"
+            if layers_call is not None:  # else a quantized model's call stays as it is
+                self.layers_call = layers_call if way == ONE_CALL else None
             self.execute(batches[kind])
 
-        steps = {kind: (batches[kind].num_tokens, partial(run, kind)) for kind in kinds}
+        steps = {}
+        for kind in kinds:
+            ways = ("graph", "eager") + ((ONE_CALL,) if kind == "decode" and layers_call else ())
+            steps[kind] = (batches[kind].num_tokens, {way: partial(run, kind, way) for way in ways},
+                           ONE_CALL if ONE_CALL in ways else "graph")
         m, kernels = plan.model, self.kernels
         shape = (m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim,
                  m.intermediate_size, m.vocab_size)
         # what the graphs depend on, and what the eager steps read beside them
         setup = (f"{self._setup_key()} context={context} "
                  f"packed={sorted(kernels.packed_decode_shapes)}")
-        compiled.graph_steps.update(kernels.choose_graph_steps(steps, shape, setup))
+        picked = kernels.choose_graph_steps(steps, shape, setup)
+        for kind, way in picked.items():
+            compiled.graph_steps[kind] = way == "graph"
+        if layers_call is not None:
+            self.layers_call = layers_call if picked["decode"] == ONE_CALL else None
+
+    def _float_layers_call(self) -> DecodeLayersCall | None:
+        """A float model's decode steps as one C++ call, where this rank can run them so: one
+        CPU rank, its own weights (not decode_dtype copies); its LM head reads the decode view's
+        packed copy where it has one."""
+        plan = self.plan
+        if (plan.weights is not None or plan.on_cuda or plan.decode_dtype is not None
+                or plan.world_size > 1 or plan.cp > 1
+                or float_unfit_reason(self.model, self.shard.heads.kv_head_of_q_head())):
+            return None
+        return DecodeLayersCall(self.model, self.decode_model)
 
     def execute(self, batch: Batch) -> StepResult | None:
         """One step: prepare its context, run the model, then logits, scores and samples.
@@ -271,8 +296,8 @@ class Worker:
         ctx = self.prepare(batch)
         model = self.decode_model if ctx.decode_weights else self.model
         score = None
-        if ctx.graph == QUANTIZED_DECODE:
-            logits = self._gathered(self.quantized_decode.logits(ctx), batch)
+        if ctx.graph == LAYERS_CALL:
+            logits = self._gathered(self.layers_call.logits(ctx), batch)
         elif ctx.graph.startswith("decode"):
             logits = self._gathered(self.compiled.decode_logits(ctx), batch)
         else:
@@ -309,9 +334,9 @@ class Worker:
             ctx = self.context.prepare(batch, self.cache)
             ctx.decode_weights = decode_weights
             return ctx
-        if mode == DECODE and self.quantized_decode is not None and self._tracer is None:
+        if mode == DECODE and self.layers_call is not None and self._tracer is None:
             ctx = pad_decode_step(batch, self.cache, self.kv_head_of_q_device, batch.num_seqs)
-            ctx.graph = QUANTIZED_DECODE
+            ctx.graph = LAYERS_CALL
             return ctx
         compiled = self.compiled if self.compiled is not None and self.compiled.active else None
         rows = compiled.decode_bucket(batch.num_seqs) if compiled and mode == DECODE else None
