@@ -1,5 +1,5 @@
-"""A decode step's layers with quantized weights (weights="int8" | "int4" | "gguf") as one C++
-call, `quantized_decode_layers` (quantized_rows.cpp): per layer RMSNorm, the QKV product, RoPE,
+"""A decode step's layers with quantized weights (weights="int8" | "int4" | "gguf"), or a float
+model's (below), as one C++ call, `quantized_decode_layers` (quantized_rows.cpp): per layer RMSNorm, the QKV product, RoPE,
 the KV store and attention (the fused decode attention's kernel, through torch's dispatcher),
 the O product, RMSNorm, the gate/up product, SiLU·mul and the down product.
 
@@ -17,6 +17,14 @@ the ranks between calls. A tp=2 engine's 4-bit SmolLM2 decode so ran 84.4-88.4 t
 43.6-45.7 through the eager layers (AVX512-BF16 EPYC, one thread a rank, shared-memory sums;
 `.venv/bin/python -m bench.tp_scaling --lengths 256 --tp 2 --all-reduce shared --dtype bfloat16
 --weights gguf`, against a copy of the code with the parts off, BENCHMARKS.md).
+
+A float32 or bf16 model's decode steps may take the same call: the op multiplies its weights as
+they are (a bf16 weight widened as it is read, float32 sums), and a one-rank compiled CPU engine
+times a decode step as this call beside its decode graphs and eager steps after the warm-up
+(Worker._choose_graph_steps, `graph-decode`: `one-call`). On the Zen 5 EPYC of session 59 it
+decoded SmolLM2 1.34x (bf16) and 1.13x (float32) as fast as the graphs it replaced
+(`.venv/bin/python -m bench.peers --systems engine vllm --dtypes float32 bfloat16
+--engine-from 97d0650`, BENCHMARKS.md): the graphs' Python between layers left a core waiting.
 
 Roundings follow the eager layer's (engine.rank.ops): the residual sums, the normalised rows and
 their products with the norms' weights, RoPE's float32 result, SiLU(gate) and its product with up
