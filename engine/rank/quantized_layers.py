@@ -1,7 +1,8 @@
 """A decode step's layers with quantized weights (weights="int8" | "int4" | "gguf"), or a float
-model's (below), as one C++ call, `quantized_decode_layers` (quantized_rows.cpp): per layer RMSNorm, the QKV product, RoPE,
-the KV store and attention (the fused decode attention's kernel, through torch's dispatcher),
-the O product, RMSNorm, the gate/up product, SiLU·mul and the down product.
+model's (below), as one C++ call, `quantized_decode_layers` (quantized_rows.cpp): per layer
+RMSNorm, the QKV product, RoPE, the KV store and attention (the fused decode attention's kernel,
+through torch's dispatcher), the O product, RMSNorm, the gate/up product, SiLU·mul and the down
+product.
 
 A compiled decode graph ran the same products' kernels but made ~9 kernel and op calls per layer
 from inductor's Python, with ~24 size checks and dynamo's and AOTAutograd's wrappers around it.
@@ -150,8 +151,9 @@ class DecodeLayersCall:
                 for part in (0, 1):
                     x = model.tp.all_reduce(run(x, lists, layer, part, 1))
         x, _ = self.head.norm(x, residual)
-        # the LM head KERNEL_ROWS rows at a time, as its C++ kernel takes them (more rows would
-        # take torch's kernel, whose other roundings would make a row's token depend on how
-        # many sequences share its step)
+        # the LM head KERNEL_ROWS rows at a time, as a quantized model's int8 C++ kernel takes
+        # them (more rows would take torch's kernel, whose other roundings would make a row's
+        # token depend on how many sequences share its step; a float model's LM head is the
+        # picked product of its row count)
         return torch.cat([self.head.lm_head.local(x[i:i + KERNEL_ROWS])
                           for i in range(0, len(x), KERNEL_ROWS)])

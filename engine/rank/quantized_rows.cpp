@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <optional>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include <ATen/Parallel.h>
@@ -62,7 +63,7 @@ template <typename T, typename C>
 struct RowsProblem {
   const float* x;  // [rows][k], widened
   const C* codes;  // [n][k]
-  const T* scales;  // [n], or nullptr (values as they are)
+  const T* scales;  // [n] for int8 codes; a float weight's values are taken as they are
   T* y;             // [rows][n]
   int64_t n, k;
 };
@@ -79,12 +80,12 @@ void rows_product(const RowsProblem<T, C>& p, int threads) {
       const vf w = load_weight(codes + i);
       for (int r = 0; r < R; ++r) acc[r] += load(p.x + r * p.k + i) * w;
     }
-    if (p.scales == nullptr) {
+    if constexpr (std::is_same_v<C, int8_t>) {
+      const float scale = widen(p.scales[o]);
+      for (int r = 0; r < R; ++r) narrow(hsum(acc[r]) * scale, p.y + r * p.n + o);
+    } else {
       for (int r = 0; r < R; ++r) narrow(hsum(acc[r]), p.y + r * p.n + o);
-      continue;
     }
-    const float scale = widen(p.scales[o]);
-    for (int r = 0; r < R; ++r) narrow(hsum(acc[r]) * scale, p.y + r * p.n + o);
   }
 }
 
