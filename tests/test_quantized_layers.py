@@ -350,3 +350,109 @@ def test_tensor_parallel_ranks_run_the_layers_a_part_at_a_time(tiny_model_dir, t
             assert got is not None and want is not None
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5,
                                        msg=lambda m: f"step {step}: {m}")
+
+
+# a prompt step of three sequences, then two decode steps, each reading only the KV the steps
+# before wrote (the start-up's timed decode steps leave theirs in the cache, which WORKER_STEPS'
+# later steps would read)
+FLOAT_STEPS = [(40, 0, 3), (1, 40, 3), (1, 41, 3)]
+
+
+def _float_worker_run(rank: int, world: int, model_dir: str, cache: str, kernel_choice: str,
+                      seconds: dict[int, dict[str, float]], unfit_rank: int | None,
+                      out: str) -> None:
+    """A float32 rank's Worker run through FLOAT_STEPS, its decode-step timing made to read
+    `seconds[rank]` (each way still runs once, on every rank) and, on `unfit_rank`, its layers
+    made unfit for the C++ call; saves (rank 0's logits and step graphs, its rank_info lines)."""
+    from engine.config import EngineConfig
+    from engine.loading.checkpoint import open_checkpoint
+    from engine.plan import make_plan
+    from engine.rank import kernel_choice as kc, worker as worker_module
+    from tests.fake_cuda_run import make_batch
+
+    mp = pytest.MonkeyPatch()
+    mp.setenv("PREFILL_ENGINE_CACHE", cache)
+
+    def time_step(kind, candidates, rounds):
+        for run in candidates.values():
+            run()
+        return dict(seconds[rank])
+
+    mp.setattr(kc, "_time_step", time_step)
+    if rank == unfit_rank:
+        mp.setattr(worker_module, "float_unfit_reason", lambda model, heads: "made unfit")
+    cfg = EngineConfig.from_kwargs(model=model_dir, tp=world, block_size=16, max_model_len=256,
+                                   compile=False, kernel_choice=kernel_choice)
+    ckpt = open_checkpoint(model_dir)
+    worker = worker_module.Worker(make_plan(cfg, model_dir, ckpt.config), rank=rank,
+                                  world_size=world, checkpoint=ckpt)
+    steps = []
+    for shape in FLOAT_STEPS:
+        batch = make_batch(*shape)
+        batch.return_logits = True
+        result = worker.execute(batch)  # rank 0's; None on the others
+        steps.append(None if result is None else (result.logits, result.graph))
+    lines = [k for k in worker.info().kernels if k.startswith(("decode-steps", "float-decode"))]
+    torch.save((steps, lines), f"{out}.{rank}")
+
+
+def _float_tp2(tmp_path, name: str, model_dir: str, kernel_choice: str = "measure",
+               seconds: dict[int, dict[str, float]] | None = None,
+               unfit_rank: int | None = None) -> tuple[list, list[str], list[str]]:
+    """Two float32 ranks run so: (rank 0's steps, rank 0's lines, rank 1's lines)."""
+    from tests.process_group import run_in_group
+
+    out = str(tmp_path / name)
+    run_in_group(2, _float_worker_run, model_dir, str(tmp_path / f"cache-{name}"), kernel_choice,
+                 seconds or {}, unfit_rank, out)
+    (steps, lines), (_, other_lines) = torch.load(f"{out}.0"), torch.load(f"{out}.1")
+    return steps, lines, other_lines
+
+
+@pytest.fixture(scope="module")
+def float_tp2_eager(tiny_model_dir, tmp_path_factory) -> list:
+    """Rank 0's steps of two eager float32 ranks (kernel_choice="fixed": no timing), which
+    say nothing of the C++ call."""
+    steps, lines, other_lines = _float_tp2(tmp_path_factory.mktemp("eager"), "fixed",
+                                           str(tiny_model_dir("llama")), kernel_choice="fixed")
+    assert lines == other_lines == []
+    return steps
+
+
+def test_float_tensor_parallel_ranks_decode_the_way_rank_0_timed_fastest(tiny_model_dir,
+                                                                          float_tp2_eager,
+                                                                          tmp_path):
+    """tp=2, float32: after start-up the ranks time a decode step as a C++ call per layer part
+    and eagerly, and both take rank 0's pick even where rank 1 timed the other way faster
+    (ranks choosing apart would sum differently made steps); decode steps so picked run the
+    part calls ("layers-call") and give the eager ranks' logits (kernel_choice="fixed": no
+    timing, eager) to float32 rounding; prompts stay eager."""
+    path, want = str(tiny_model_dir("llama")), float_tp2_eager
+    rank0_parts = {0: {"eager": 2e-3, "part-calls": 1e-3}, 1: {"eager": 1e-3, "part-calls": 2e-3}}
+    rank0_eager = {0: rank0_parts[1], 1: rank0_parts[0]}
+    for seconds, said, graph in ((rank0_parts, "part-calls (eager 2 ms, part-calls 1 ms)",
+                                  "layers-call"),
+                                 (rank0_eager, "eager (eager 1 ms, part-calls 2 ms)", "")):
+        steps, lines, other_lines = _float_tp2(tmp_path, graph or "eager", path, seconds=seconds)
+        assert len(lines) == 1 and other_lines == lines and lines[0].startswith("decode-steps ")
+        assert lines[0].endswith(f" at 1 rows: {said}")
+        assert [g for _, g in steps] == [""] + [graph] * (len(steps) - 1)
+        for step, ((got, _), (expected, _)) in enumerate(zip(steps, want)):
+            torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5,
+                                       msg=lambda m: f"step {step}: {m}")
+
+
+def test_a_rank_whose_layers_cannot_take_the_call_keeps_every_rank_off_it(tiny_model_dir,
+                                                                          float_tp2_eager,
+                                                                          tmp_path):
+    """tp=2, float32, rank 1's layers unfit for the C++ call: neither rank offers it (rank 0
+    says another rank cannot run it, rank 1 its own reason), no decode step is timed or runs
+    it, and the steps' logits are the eager ranks'."""
+    path, want = str(tiny_model_dir("llama")), float_tp2_eager
+    seconds = {0: {"eager": 2e-3, "part-calls": 1e-3}, 1: {"eager": 2e-3, "part-calls": 1e-3}}
+    steps, lines, other_lines = _float_tp2(tmp_path, "unfit", path, seconds=seconds, unfit_rank=1)
+    assert lines == ["float-decode-layers: off (another rank of the group cannot run them)"]
+    assert other_lines == ["float-decode-layers: off (made unfit)"]
+    assert {g for _, g in steps} == {""}
+    for (got, _), (expected, _) in zip(steps, want):
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)

@@ -49,6 +49,7 @@ GRAPH_TIMING_TOKENS = 256
 GPU_GRAPH_TIMING_TOKENS = 2048
 LAYERS_CALL = "layers-call"  # a StepContext's `graph`: DecodeLayersCall runs its layers
 ONE_CALL = "one-call"  # a decode step's way (graph-decode): the layers in one C++ call
+PART_CALLS = "part-calls"  # a TP rank's decode step's way (decode-steps): a C++ call per part
 
 
 class Worker:
@@ -89,7 +90,7 @@ class Worker:
         self.load_s = time.perf_counter() - started
         self.kernel_choice_s = self._measure_kernels() if plan.measure_kernels else 0.0
         # weights=...: decode steps' layers in one C++ call (engine.rank.quantized_layers)
-        self.layers_call, self._quantized_decode_note = self._quantized_decode()
+        self.layers_call, self._layers_call_note = self._quantized_decode()
         self.decode_model, self.decode_bytes = self._decode_view()
         self.prompt_copy_bytes = self._make_prompt_copies()
         self.huge_page_bytes = 0 if plan.on_cuda else back_with_huge_pages(self._decode_tensors())
@@ -109,6 +110,8 @@ class Worker:
                                        self._graph_key(), self.kernels.graph_decode_fused)
                          if plan.compile else None)
         self.warmup_s = self._warm_up()
+        if plan.world_size > 1:
+            self._choose_ranks_decode_steps()
 
     def _measure_kernels(self) -> float:
         started, heads = time.perf_counter(), self.shard.heads
@@ -134,8 +137,8 @@ class Worker:
         plan = self.plan
         if plan.weights is None or plan.on_cuda or plan.cp > 1:
             return None, ""
-        reason = unfit_reason(self.model, self.kernels.quantized_rows_seconds,
-                              self.shard.heads.kv_head_of_q_head())
+        reason = self._on_every_rank(unfit_reason(self.model, self.kernels.quantized_rows_seconds,
+                                                  self.shard.heads.kv_head_of_q_head()))
         if reason is not None:
             return None, f"quantized-decode-layers: off ({reason})"
         calls = ("one C++ call a step" if plan.world_size == 1
@@ -266,28 +269,80 @@ class Worker:
             ways = ("graph", "eager") + ((ONE_CALL,) if kind == "decode" and layers_call else ())
             steps[kind] = (batches[kind].num_tokens, {way: partial(run, kind, way) for way in ways},
                            ONE_CALL if ONE_CALL in ways else "graph")
-        m, kernels = plan.model, self.kernels
-        shape = (m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim,
-                 m.intermediate_size, m.vocab_size)
+        kernels = self.kernels
         # what the graphs depend on, and what the eager steps read beside them
         setup = (f"{self._setup_key()} context={context} "
                  f"packed={sorted(kernels.packed_decode_shapes)}")
-        picked = kernels.choose_graph_steps(steps, shape, setup)
+        picked = kernels.choose_graph_steps(steps, self._model_shape(), setup)
         for kind, way in picked.items():
             compiled.graph_steps[kind] = way == "graph"
         if layers_call is not None:
             self.layers_call = layers_call if picked["decode"] == ONE_CALL else None
 
     def _float_layers_call(self) -> DecodeLayersCall | None:
-        """A float model's decode steps as one C++ call, where this rank can run them so: one
-        CPU rank, its own weights (not decode_dtype copies); its LM head reads the decode view's
-        packed copy where it has one."""
+        """A float model's decode steps as one C++ call (one rank) or a call per layer part
+        (tp > 1), where every rank of the group can run them so: CPU ranks, their own weights
+        (not decode_dtype copies); the LM head reads the decode view's packed copy where it has
+        one. Why not, where the model's layers do not fit the call, goes to rank_info. A
+        collective where tp > 1: every rank asks at the same point."""
         plan = self.plan
         if (plan.weights is not None or plan.on_cuda or plan.decode_dtype is not None
-                or plan.world_size > 1 or plan.cp > 1
-                or float_unfit_reason(self.model, self.shard.heads.kv_head_of_q_head())):
+                or plan.cp > 1):
+            return None
+        reason = self._on_every_rank(float_unfit_reason(self.model,
+                                                        self.shard.heads.kv_head_of_q_head()))
+        if reason is not None:
+            self._layers_call_note = f"float-decode-layers: off ({reason})"
             return None
         return DecodeLayersCall(self.model, self.decode_model)
+
+    def _on_every_rank(self, reason: str | None) -> str | None:
+        """This rank's reason not to run the C++ layers, or another rank's reason: ranks that
+        chose apart would sum differently made steps (a collective where tp > 1)."""
+        if self.tp.world_size() == 1:
+            return reason
+        fit = self.tp.all_reduce(torch.tensor([float(reason is None)]))
+        if reason is None and int(fit.item()) < self.tp.world_size():
+            return "another rank of the group cannot run them"
+        return reason
+
+    def _choose_ranks_decode_steps(self) -> None:
+        """tp > 1 on a CPU (a collective: every rank runs it at the same point): a float
+        model's decode step timed as a C++ call per layer part and as the rank runs it
+        otherwise (graphs or eager), alternated on every rank at once; rank 0's timings decide
+        for all (KernelChoice.choose_ranks_decode_steps)."""
+        if not self.plan.measure_kernels:
+            return
+        layers_call = self._float_layers_call()
+        if layers_call is None:
+            return
+        start, plan = time.perf_counter(), self.plan
+        batch = warm_up_batch(1, min(GRAPH_TIMING_TOKENS, plan.max_model_len - 1), 1,
+                              plan.block_size)
+        graphs = self.compiled is not None and self.compiled.usable
+        other = "graph" if graphs and self.compiled.graph_steps["decode"] else "eager"
+
+        def run(way: str) -> None:
+            self.layers_call = layers_call if way == PART_CALLS else None
+            self.execute(batch)
+
+        way = self.kernels.choose_ranks_decode_steps(
+            {way: partial(run, way) for way in (other, PART_CALLS)}, PART_CALLS,
+            self._model_shape(), self._first_rank_seconds)
+        self.layers_call = layers_call if way == PART_CALLS else None
+        self.kernel_choice_s += time.perf_counter() - start
+
+    def _first_rank_seconds(self, seconds: dict[str, float]) -> dict[str, float]:
+        """Rank 0's timings, on every rank (x + 0 is x: each rank reads the same numbers)."""
+        names = sorted(seconds)
+        mine = [seconds[n] if self.tp.rank() == 0 else 0.0 for n in names]
+        return dict(zip(names, self.tp.all_reduce(torch.tensor(mine, dtype=torch.float64))
+                        .tolist()))
+
+    def _model_shape(self) -> tuple[int, ...]:
+        m = self.plan.model
+        return (m.num_layers, m.hidden_size, m.num_heads, m.num_kv_heads, m.head_dim,
+                m.intermediate_size, m.vocab_size)
 
     def execute(self, batch: Batch) -> StepResult | None:
         """One step: prepare its context, run the model, then logits, scores and samples.
@@ -386,8 +441,8 @@ class Worker:
                         self.cache.nbytes, os.getpid(),
                         self.compiled is not None and self.compiled.usable, self.warmup_s,
                         self.load_s, self.digest.seconds,
-                        self.kernels.describe() + ([self._quantized_decode_note]
-                                                   if self._quantized_decode_note else []),
+                        self.kernels.describe() + ([self._layers_call_note]
+                                                   if self._layers_call_note else []),
                         self.kernel_choice_s, self.huge_page_bytes, self.tp.all_reduce_kind())
 
     def weight_digest(self) -> Slices:
