@@ -361,9 +361,10 @@ FLOAT_STEPS = [(40, 0, 3), (1, 40, 3), (1, 41, 3)]
 def _float_worker_run(rank: int, world: int, model_dir: str, cache: str, kernel_choice: str,
                       seconds: dict[int, dict[str, float]], unfit_rank: int | None,
                       out: str) -> None:
-    """A float32 rank's Worker run through FLOAT_STEPS, its decode-step timing made to read
-    `seconds[rank]` (each way still runs once, on every rank) and, on `unfit_rank`, its layers
-    made unfit for the C++ call; saves (rank 0's logits and step graphs, its rank_info lines)."""
+    """A float32 eager rank's Worker run through FLOAT_STEPS, its decode-step timing made to
+    read `seconds[rank]` (each way still runs once, on every rank) and, on `unfit_rank`, its
+    layers made unfit for the C++ call; saves (rank 0's logits and step graphs, its
+    rank_info lines)."""
     from engine.config import EngineConfig
     from engine.loading.checkpoint import open_checkpoint
     from engine.plan import make_plan
@@ -396,46 +397,55 @@ def _float_worker_run(rank: int, world: int, model_dir: str, cache: str, kernel_
     torch.save((steps, lines), f"{out}.{rank}")
 
 
-def _float_tp2(tmp_path, name: str, model_dir: str, kernel_choice: str = "measure",
-               seconds: dict[int, dict[str, float]] | None = None,
-               unfit_rank: int | None = None) -> tuple[list, list[str], list[str]]:
-    """Two float32 ranks run so: (rank 0's steps, rank 0's lines, rank 1's lines)."""
+def _float_ranks(tmp_path, name: str, model_dir: str, world: int, kernel_choice: str = "measure",
+                 seconds: dict[int, dict[str, float]] | None = None,
+                 unfit_rank: int | None = None) -> tuple[list, list[list[str]]]:
+    """`world` float32 eager ranks in a gloo group run so: (rank 0's steps, each rank's
+    lines)."""
     from tests.process_group import run_in_group
 
     out = str(tmp_path / name)
-    run_in_group(2, _float_worker_run, model_dir, str(tmp_path / f"cache-{name}"), kernel_choice,
-                 seconds or {}, unfit_rank, out)
-    (steps, lines), (_, other_lines) = torch.load(f"{out}.0"), torch.load(f"{out}.1")
-    return steps, lines, other_lines
+    run_in_group(world, _float_worker_run, model_dir, str(tmp_path / f"cache-{name}"),
+                 kernel_choice, seconds or {}, unfit_rank, out)
+    runs = [torch.load(f"{out}.{rank}") for rank in range(world)]
+    return runs[0][0], [lines for _, lines in runs]
 
 
 @pytest.fixture(scope="module")
-def float_tp2_eager(tiny_model_dir, tmp_path_factory) -> list:
-    """Rank 0's steps of two eager float32 ranks (kernel_choice="fixed": no timing), which
-    say nothing of the C++ call."""
-    steps, lines, other_lines = _float_tp2(tmp_path_factory.mktemp("eager"), "fixed",
-                                           str(tiny_model_dir("llama")), kernel_choice="fixed")
-    assert lines == other_lines == []
+def float_ranks_eager(tiny_model_dir, tmp_path_factory):
+    """world -> rank 0's steps of that many eager float32 ranks (kernel_choice="fixed": no
+    timing), which say nothing of the C++ call."""
+    kept = {}
+
+    def steps(world: int) -> list:
+        if world not in kept:
+            kept[world], lines = _float_ranks(tmp_path_factory.mktemp("eager"), "fixed",
+                                              str(tiny_model_dir("llama")), world, "fixed")
+            assert lines == [[]] * world
+        return kept[world]
+
     return steps
 
 
-def test_float_tensor_parallel_ranks_decode_the_way_rank_0_timed_fastest(tiny_model_dir,
-                                                                          float_tp2_eager,
-                                                                          tmp_path):
-    """tp=2, float32: after start-up the ranks time a decode step as a C++ call per layer part
-    and eagerly, and both take rank 0's pick even where rank 1 timed the other way faster
-    (ranks choosing apart would sum differently made steps); decode steps so picked run the
-    part calls ("layers-call") and give the eager ranks' logits (kernel_choice="fixed": no
-    timing, eager) to float32 rounding; prompts stay eager."""
-    path, want = str(tiny_model_dir("llama")), float_tp2_eager
-    rank0_parts = {0: {"eager": 2e-3, "part-calls": 1e-3}, 1: {"eager": 1e-3, "part-calls": 2e-3}}
-    rank0_eager = {0: rank0_parts[1], 1: rank0_parts[0]}
-    for seconds, said, graph in ((rank0_parts, "part-calls (eager 2 ms, part-calls 1 ms)",
-                                  "layers-call"),
-                                 (rank0_eager, "eager (eager 1 ms, part-calls 2 ms)", "")):
-        steps, lines, other_lines = _float_tp2(tmp_path, graph or "eager", path, seconds=seconds)
-        assert len(lines) == 1 and other_lines == lines and lines[0].startswith("decode-steps ")
-        assert lines[0].endswith(f" at 1 rows: {said}")
+@pytest.mark.parametrize("world", [1, 2])
+def test_eager_float_ranks_decode_the_way_rank_0_timed_fastest(tiny_model_dir, float_ranks_eager,
+                                                               world, tmp_path):
+    """An eager float32 engine (one rank, or two) times a decode step after start-up as the
+    C++ layers (one call; tp=2: a call per layer part) and eagerly; every rank takes rank 0's
+    pick, at tp=2 even where rank 1 timed the other way faster (ranks choosing apart would sum
+    differently made steps); decode steps so picked run the call ("layers-call") and give the
+    eager ranks' logits (kernel_choice="fixed": no timing) to float32 rounding; prompts stay
+    eager."""
+    path, want = str(tiny_model_dir("llama")), float_ranks_eager(world)
+    call = "one-call" if world == 1 else "part-calls"
+    call_faster = {0: {"eager": 2e-3, call: 1e-3}, 1: {"eager": 1e-3, call: 2e-3}}
+    eager_faster = {0: call_faster[1], 1: call_faster[0]}
+    for seconds, said, graph in ((call_faster, f"{call} (eager 2 ms, {call} 1 ms)", "layers-call"),
+                                 (eager_faster, f"eager (eager 1 ms, {call} 2 ms)", "")):
+        steps, lines = _float_ranks(tmp_path, graph or "eager", path, world, seconds=seconds)
+        assert lines == [lines[0]] * world and len(lines[0]) == 1
+        assert lines[0][0].startswith("decode-steps ")
+        assert lines[0][0].endswith(f" at 1 rows: {said}")
         assert [g for _, g in steps] == [""] + [graph] * (len(steps) - 1)
         for step, ((got, _), (expected, _)) in enumerate(zip(steps, want)):
             torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5,
@@ -443,16 +453,16 @@ def test_float_tensor_parallel_ranks_decode_the_way_rank_0_timed_fastest(tiny_mo
 
 
 def test_a_rank_whose_layers_cannot_take_the_call_keeps_every_rank_off_it(tiny_model_dir,
-                                                                          float_tp2_eager,
+                                                                          float_ranks_eager,
                                                                           tmp_path):
     """tp=2, float32, rank 1's layers unfit for the C++ call: neither rank offers it (rank 0
     says another rank cannot run it, rank 1 its own reason), no decode step is timed or runs
     it, and the steps' logits are the eager ranks'."""
-    path, want = str(tiny_model_dir("llama")), float_tp2_eager
+    path, want = str(tiny_model_dir("llama")), float_ranks_eager(2)
     seconds = {0: {"eager": 2e-3, "part-calls": 1e-3}, 1: {"eager": 2e-3, "part-calls": 1e-3}}
-    steps, lines, other_lines = _float_tp2(tmp_path, "unfit", path, seconds=seconds, unfit_rank=1)
-    assert lines == ["float-decode-layers: off (another rank of the group cannot run them)"]
-    assert other_lines == ["float-decode-layers: off (made unfit)"]
+    steps, lines = _float_ranks(tmp_path, "unfit", path, 2, seconds=seconds, unfit_rank=1)
+    assert lines == [["float-decode-layers: off (another rank of the group cannot run them)"],
+                     ["float-decode-layers: off (made unfit)"]]
     assert {g for _, g in steps} == {""}
     for (got, _), (expected, _) in zip(steps, want):
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)

@@ -461,16 +461,17 @@ class KernelChoice:
         store.save()
         return ways
 
-    def choose_ranks_decode_steps(self, candidates: dict[str, Callable[[], object]],
-                                  built_in: str, model_shape: tuple[int, ...],
-                                  first_rank: Callable[[dict[str, float]], dict[str, float]],
-                                  rounds: int = 3) -> str:
-        """tp > 1 on a CPU: a decode step of one row run each way in `candidates`, alternated,
-        `rounds` runs each, on every rank at once (their sums pair the ranks' steps up); the
-        way kept unless another is faster by MARGIN, decided on rank 0's timings (`first_rank`
-        hands them to every rank: ranks that chose apart would sum differently made steps).
-        Timed at every start, never kept on disk: a kept timing on one rank and none on
-        another would have them run different steps."""
+    def choose_decode_call(self, candidates: dict[str, Callable[[], object]], built_in: str,
+                           model_shape: tuple[int, ...],
+                           first_rank: Callable[[dict[str, float]], dict[str, float]],
+                           rounds: int = 3) -> str:
+        """A CPU rank whose decode steps no graph timing offered the C++ layers (eager, or
+        tp > 1): a decode step of one row run each way in `candidates`, alternated, `rounds`
+        runs each, on every rank at once (their sums pair the ranks' steps up); the way kept
+        unless another is faster by MARGIN, decided on rank 0's timings (`first_rank` hands
+        them to every rank: ranks that chose apart would sum differently made steps). Timed at
+        every start, never kept on disk: a kept timing on one rank and none on another would
+        have them run different steps."""
         pick = Pick("decode-steps", model_shape, 1, built_in)
         pick.seconds = first_rank(_time_step("decode", candidates, rounds))
         self.picks.append(pick)

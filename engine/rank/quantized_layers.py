@@ -26,9 +26,9 @@ times a decode step as this call beside its decode graphs and eager steps after 
 decoded SmolLM2 1.34x (bf16) and 1.13x (float32) as fast as the graphs it replaced
 (`.venv/bin/python -m bench.peers --systems engine vllm --dtypes float32 bfloat16
 --engine-from 97d0650`, BENCHMARKS.md): the graphs' Python between layers left a core waiting.
-The ranks of a tp > 1 CPU engine time a float model's decode step as a call per part against
-the way they run it otherwise, and all take rank 0's pick (Worker._choose_ranks_decode_steps):
-two one-thread ranks on that EPYC decoded 47.7 tok/s in float32 against 33.0 eagerly, 82.3 in
+An eager one-rank engine times its decode step as the call against eager steps, and the ranks
+of a tp > 1 CPU engine as a call per part against the way they run it otherwise, all taking
+rank 0's pick (Worker._choose_decode_call): two one-thread ranks on that EPYC decoded 47.7 tok/s in float32 against 33.0 eagerly, 82.3 in
 bf16 against 50.3 (`.venv/bin/python -m bench.tp_scaling --lengths 256 --tp 2 --all-reduce
 shared --dtype float32|bfloat16`, BENCHMARKS.md session 60).
 

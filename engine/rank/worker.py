@@ -110,8 +110,8 @@ class Worker:
                                        self._graph_key(), self.kernels.graph_decode_fused)
                          if plan.compile else None)
         self.warmup_s = self._warm_up()
-        if plan.world_size > 1:
-            self._choose_ranks_decode_steps()
+        if not ("decode" in self._timed_graph_kinds and self.compiled.usable):
+            self._choose_decode_call()  # else _choose_graph_steps offered the call
 
     def _measure_kernels(self) -> float:
         started, heads = time.perf_counter(), self.shard.heads
@@ -286,8 +286,9 @@ class Worker:
         one. Why not, where the model's layers do not fit the call, goes to rank_info. A
         collective where tp > 1: every rank asks at the same point."""
         plan = self.plan
+        # (a triton attention backend asked for its own kernels, which the call would bypass)
         if (plan.weights is not None or plan.on_cuda or plan.decode_dtype is not None
-                or plan.cp > 1):
+                or plan.cp > 1 or plan.backend == "triton"):
             return None
         reason = self._on_every_rank(float_unfit_reason(self.model,
                                                         self.shard.heads.kv_head_of_q_head()))
@@ -306,11 +307,13 @@ class Worker:
             return "another rank of the group cannot run them"
         return reason
 
-    def _choose_ranks_decode_steps(self) -> None:
-        """tp > 1 on a CPU (a collective: every rank runs it at the same point): a float
-        model's decode step timed as a C++ call per layer part and as the rank runs it
-        otherwise (graphs or eager), alternated on every rank at once; rank 0's timings decide
-        for all (KernelChoice.choose_ranks_decode_steps)."""
+    def _choose_decode_call(self) -> None:
+        """A CPU rank whose decode steps no graph timing offered the C++ layers (an eager
+        engine, or one of tp > 1 ranks; a collective there: every rank runs it at the same
+        point): a float model's decode step timed as one C++ call (one rank) or a call per
+        layer part (tp > 1) and as the rank runs it otherwise (graphs or eager), alternated on
+        every rank at once; rank 0's timings decide for all
+        (KernelChoice.choose_decode_call)."""
         if not self.plan.measure_kernels:
             return
         layers_call = self._float_layers_call()
@@ -321,15 +324,15 @@ class Worker:
                               plan.block_size)
         graphs = self.compiled is not None and self.compiled.usable
         other = "graph" if graphs and self.compiled.graph_steps["decode"] else "eager"
+        call = ONE_CALL if plan.world_size == 1 else PART_CALLS
 
         def run(way: str) -> None:
-            self.layers_call = layers_call if way == PART_CALLS else None
+            self.layers_call = layers_call if way == call else None
             self.execute(batch)
 
-        way = self.kernels.choose_ranks_decode_steps(
-            {way: partial(run, way) for way in (other, PART_CALLS)}, PART_CALLS,
-            self._model_shape(), self._first_rank_seconds)
-        self.layers_call = layers_call if way == PART_CALLS else None
+        way = self.kernels.choose_decode_call({way: partial(run, way) for way in (other, call)},
+                                              call, self._model_shape(), self._first_rank_seconds)
+        self.layers_call = layers_call if way == call else None
         self.kernel_choice_s += time.perf_counter() - start
 
     def _first_rank_seconds(self, seconds: dict[str, float]) -> dict[str, float]:
