@@ -94,8 +94,11 @@ def test_compiled_matches_eager(request, llama, want, tp):
     if tp > 1:
         request.getfixturevalue("ray_cluster")
         # two ranks compile at once on a 2-core machine, caches cold in a fresh clone: give the
-        # warm-up (part of building the worker) more than the default 120 s
-        with LLM(llama, tp=tp, compile=True, init_timeout_s=600, **SETTINGS) as llm:
+        # warm-up (part of building the worker) more than the default 120 s; kernels fixed, so
+        # the ranks' decode steps run their graphs (timed, they may take the C++ part calls:
+        # test_quantized_layers.py's float ranks)
+        with LLM(llama, tp=tp, compile=True, init_timeout_s=600,
+                 **{**SETTINGS, "kernel_choice": "fixed"}) as llm:
             _check_compiled_run(llm, want_logits, want_tokens)
     else:
         _check_compiled_run(request.getfixturevalue("compiled"), want_logits, want_tokens)

@@ -12,7 +12,7 @@ import torch
 from engine import LLM, SamplingParams
 from engine.errors import ConfigError
 from engine.rank import gemm
-from engine.rank import kernel_choice as kc
+from engine.rank import kernel_choice as kc, worker
 from engine.rank.attention import torch_attention
 from engine.rank.kv_cache import KVCache
 from engine.rank.step_metadata import build_step_metadata
@@ -493,12 +493,20 @@ def test_the_walkthrough_gives_every_timed_op_a_line():
         "a-future-op kernels timed here at start-up (rank 0): new fastest in 1 of 1 shape/row cases"]
 
 
+def _eager_decode_steps(monkeypatch) -> None:
+    """Decode steps stay eager: their layers are not offered the C++ call, which runs none of
+    the kernels these tests count."""
+    monkeypatch.setattr(worker, "float_unfit_reason",
+                        lambda model, heads: "kept eager: the test counts an eager step's kernels")
+
+
 def _calls_of_the_pick(monkeypatch, tiny_model_dir, kernel: str, prompts: list[list[int]],
                        **settings) -> tuple[dict, dict, list[str], int]:
     """`prompts` (6 greedy tokens each) with the timed choice and with the fixed one, counting
     the rows of every call of kc.<kernel>: (rows of each call, tokens: both per choice; the
     timed choice's kernel lines; the model's layer count). Eager steps (compile=False): a
     bf16 engine that times its kernels compiles by default, and graphs run no picked kernel."""
+    _eager_decode_steps(monkeypatch)
     picked, rows = getattr(kc, kernel), []
     monkeypatch.setattr(kc, kernel, lambda x, *rest: rows.append(len(x)) or picked(x, *rest))
     path = tiny_model_dir("llama")
@@ -560,6 +568,7 @@ def test_bf16_decode_reads_packed_copies_where_they_won(tiny_model_dir, cache, m
         return {"plain": 2e-3, "packed": 1e-3} if prepare else timed(kernels, weight, rows)
 
     monkeypatch.setattr(kc, "_time_linear", packed_wins)
+    _eager_decode_steps(monkeypatch)
     path = str(tiny_model_dir("llama"))
     prompts = [[5, 9, 2, 7, 11, 3, 8, 1] * 3, [4, 4, 6]]
     packed_products = []

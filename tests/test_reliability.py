@@ -63,12 +63,21 @@ def test_dead_rank_fails_fast_and_restart_serves(ray_cluster, model):
 def test_rank_killed_mid_step_is_retried_when_asked(ray_cluster, model):
     path, expected = model
     with LLM(path, tp=2, step_timeout_s=10, retry_on_rank_failure=True) as llm:
-        victim = llm.rank_pids()[0][0]
-        killer = threading.Timer(0.3, os.kill, (victim, signal.SIGKILL))
+        victim, before, killed = llm.rank_pids()[0][0], len(llm.step_timings()), []
+
+        def kill_mid_generation() -> None:  # after its 5th step: 60 tokens take more
+            deadline = time.monotonic() + 60
+            while len(llm.step_timings()) < before + 5 and time.monotonic() < deadline:
+                time.sleep(0.002)
+            os.kill(victim, signal.SIGKILL)
+            killed.append(len(llm.step_timings()) - before)
+
+        killer = threading.Thread(target=kill_mid_generation, daemon=True)
         killer.start()  # rank 0 dies while the long generation is running
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=60, ignore_eos=True))
         killer.join()
-        assert _gone(victim)
+        assert killed and killed[0] < 60, killed
+        assert _wait_gone([victim])
         # the requests ran again from their prompts on the new group: the same tokens
         assert [g.token_ids[:6] for g in outs] == expected
 

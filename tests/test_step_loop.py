@@ -262,9 +262,10 @@ def test_a_request_reaches_a_decoder_layer_in_seven_hops(llama, monkeypatch):
         ours("submit")
         return submit(core, seqs)
 
-    monkeypatch.setattr(DecoderLayer, "forward", recording_forward)
     monkeypatch.setattr(EngineCore, "submit", recording_submit)
     with LLM(llama) as llm:
+        # the request's layers, not those of the decode step the rank timed at start-up
+        monkeypatch.setattr(DecoderLayer, "forward", recording_forward)
         llm.generate(PROMPTS[:1], SamplingParams(max_tokens=1))
     assert stacks["submit"][-1] == "generate"
     loop = stacks["layer"]

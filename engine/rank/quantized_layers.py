@@ -28,9 +28,11 @@ decoded SmolLM2 1.34x (bf16) and 1.13x (float32) as fast as the graphs it replac
 --engine-from 97d0650`, BENCHMARKS.md): the graphs' Python between layers left a core waiting.
 An eager one-rank engine times its decode step as the call against eager steps, and the ranks
 of a tp > 1 CPU engine as a call per part against the way they run it otherwise, all taking
-rank 0's pick (Worker._choose_decode_call): two one-thread ranks on that EPYC decoded 47.7 tok/s in float32 against 33.0 eagerly, 82.3 in
-bf16 against 50.3 (`.venv/bin/python -m bench.tp_scaling --lengths 256 --tp 2 --all-reduce
-shared --dtype float32|bfloat16`, BENCHMARKS.md session 60).
+rank 0's pick (Worker._choose_decode_call). On that EPYC an eager rank decoded 2.0x (float32)
+and 2.4x (bf16) as fast so (`.venv/bin/python -m bench.peers --systems engine-eager --dtypes
+float32 bfloat16 --engine-from 1c3a601 --lengths 512 --repeats 3`), two one-thread ranks
+1.3-1.45x and 1.6x (`.venv/bin/python -m bench.tp_scaling --lengths 256 --tp 2 --all-reduce
+shared --dtype float32|bfloat16`; BENCHMARKS.md session 60).
 
 Roundings follow the eager layer's (engine.rank.ops): the residual sums, the normalised rows and
 their products with the norms' weights, RoPE's float32 result, SiLU(gate) and its product with up
