@@ -360,11 +360,11 @@ FLOAT_STEPS = [(40, 0, 3), (1, 40, 3), (1, 41, 3)]
 
 def _float_worker_run(rank: int, world: int, model_dir: str, cache: str, kernel_choice: str,
                       seconds: dict[int, dict[str, float]], unfit_rank: int | None,
-                      out: str) -> None:
-    """A float32 eager rank's Worker run through FLOAT_STEPS, its decode-step timing made to
-    read `seconds[rank]` (each way still runs once, on every rank) and, on `unfit_rank`, its
-    layers made unfit for the C++ call; saves (rank 0's logits and step graphs, its
-    rank_info lines)."""
+                      compile: bool, out: str) -> None:
+    """A float32 rank's Worker (eager, or `compile`) run through FLOAT_STEPS, its decode-step
+    timing made to read `seconds[rank]` (each way still runs once, on every rank) and, on
+    `unfit_rank`, its layers made unfit for the C++ call; saves (rank 0's logits and step
+    graphs, its rank_info lines)."""
     from engine.config import EngineConfig
     from engine.loading.checkpoint import open_checkpoint
     from engine.plan import make_plan
@@ -377,13 +377,13 @@ def _float_worker_run(rank: int, world: int, model_dir: str, cache: str, kernel_
     def time_step(kind, candidates, rounds):
         for run in candidates.values():
             run()
-        return dict(seconds[rank])
+        return {way: seconds[rank][way] for way in candidates}  # a way misnamed: KeyError
 
     mp.setattr(kc, "_time_step", time_step)
     if rank == unfit_rank:
         mp.setattr(worker_module, "float_unfit_reason", lambda model, heads: "made unfit")
     cfg = EngineConfig.from_kwargs(model=model_dir, tp=world, block_size=16, max_model_len=256,
-                                   compile=False, kernel_choice=kernel_choice)
+                                   compile=compile, kernel_choice=kernel_choice)
     ckpt = open_checkpoint(model_dir)
     worker = worker_module.Worker(make_plan(cfg, model_dir, ckpt.config), rank=rank,
                                   world_size=world, checkpoint=ckpt)
@@ -399,14 +399,14 @@ def _float_worker_run(rank: int, world: int, model_dir: str, cache: str, kernel_
 
 def _float_ranks(tmp_path, name: str, model_dir: str, world: int, kernel_choice: str = "measure",
                  seconds: dict[int, dict[str, float]] | None = None,
-                 unfit_rank: int | None = None) -> tuple[list, list[list[str]]]:
-    """`world` float32 eager ranks in a gloo group run so: (rank 0's steps, each rank's
-    lines)."""
+                 unfit_rank: int | None = None,
+                 compile: bool = False) -> tuple[list, list[list[str]]]:
+    """`world` float32 ranks in a gloo group run so: (rank 0's steps, each rank's lines)."""
     from tests.process_group import run_in_group
 
     out = str(tmp_path / name)
     run_in_group(world, _float_worker_run, model_dir, str(tmp_path / f"cache-{name}"),
-                 kernel_choice, seconds or {}, unfit_rank, out)
+                 kernel_choice, seconds or {}, unfit_rank, compile, out)
     runs = [torch.load(f"{out}.{rank}") for rank in range(world)]
     return runs[0][0], [lines for _, lines in runs]
 
@@ -466,3 +466,18 @@ def test_a_rank_whose_layers_cannot_take_the_call_keeps_every_rank_off_it(tiny_m
     assert {g for _, g in steps} == {""}
     for (got, _), (expected, _) in zip(steps, want):
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_compiled_tensor_parallel_ranks_time_the_part_calls_against_their_graphs(
+        tiny_model_dir, float_ranks_eager, tmp_path):
+    """tp=2, float32, compile=True: the ranks' decode steps ran their graphs, so the part calls
+    are timed against those ("graph"); where rank 0 timed the graphs faster, both ranks keep
+    them (decode steps run a "decode-N" graph) and the logits are the eager ranks'."""
+    path, want = str(tiny_model_dir("llama")), float_ranks_eager(2)
+    seconds = {0: {"graph": 1e-3, "part-calls": 2e-3}, 1: {"graph": 2e-3, "part-calls": 1e-3}}
+    steps, lines = _float_ranks(tmp_path, "graphs", path, 2, seconds=seconds, compile=True)
+    assert lines == [[lines[0][0]]] * 2
+    assert lines[0][0].endswith(" at 1 rows: graph (graph 1 ms, part-calls 2 ms)")
+    assert all(g.startswith("decode-") for _, g in steps[1:]), [g for _, g in steps]
+    for (got, _), (expected, _) in zip(steps, want):
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
