@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -393,6 +394,9 @@ def main() -> None:
     finally:
         for folder in engine_from.values():
             remove_checkout(folder)
+        # the peers' weights (up to ~0.5 GB a run for SmolLM2) and logs, whose tails a failed
+        # peer's error already gave
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def run(args: argparse.Namespace, work: Path, engine_from: dict[str, Path]) -> None:

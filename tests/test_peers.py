@@ -57,8 +57,8 @@ def test_decode_is_the_time_after_the_first_token_within_a_call_where_a_system_s
 def test_the_engine_at_another_revision_runs_from_its_own_checkout(tmp_path, tiny_model_dir,
                                                                     monkeypatch):
     """--engine-from REV: a row of the engine as checked out at REV, run by that checkout's
-    runner (so its own engine package), beside today's, greedy tokens equal; the checkout is
-    gone afterwards. HEAD stands in for an older revision (a clean clone has no other)."""
+    runner (so its own engine package), beside today's, greedy tokens equal; the checkout and
+    the run's folder are gone afterwards. HEAD stands in for an older revision (a clean clone has no other)."""
     out = tmp_path / "peers.jsonl"
     made = []
     checkout = peers.checkout
@@ -84,7 +84,7 @@ def test_the_engine_at_another_revision_runs_from_its_own_checkout(tmp_path, tin
     assert rows[0]["first_tokens"] == rows[1]["first_tokens"]
     [folder] = made
     assert runners == [str(peers.RUNNER), str(folder / "bench" / "peer_run.py")]
-    assert not folder.exists()  # removed with the run
+    assert not folder.parent.exists()  # the run's folder (the checkout in it) removed with it
 
 
 @needs_huge_pages
