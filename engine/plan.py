@@ -59,6 +59,9 @@ class EnginePlan:
     # compile=True, one rank, kernel_choice="measure": steps timed through the graphs and
     # eagerly after the warm-up, each kind run the faster way (Worker._timed_graph_kinds)
     time_graph_steps: bool = False
+    # compile unset on a CPU: a rank whose kept step timings say every kind runs faster without
+    # graphs builds none (Worker._compiled_model)
+    graphs_optional: bool = False
     weights: str | None = None  # "int8" | "int4" | "gguf": quantized projections (quantized.py)
     shared_memory_all_reduce: bool = True  # CPU ranks on one machine sum through shared memory
 
@@ -156,7 +159,8 @@ def make_plan(cfg: EngineConfig, source: str, mc: ModelConfig) -> EnginePlan:
                       shared_memory_all_reduce=cfg.shared_memory_all_reduce,
                       measure_kernels=cfg.kernel_choice == "measure" and cfg.device == "cpu",
                       time_graph_steps=(compiles(cfg) and cfg.kernel_choice == "measure"
-                                        and cfg.tp == cfg.cp == 1))
+                                        and cfg.tp == cfg.cp == 1),
+                      graphs_optional=cfg.compile is None and cfg.device == "cpu")
     if cfg.weights in ("int4", "gguf"):
         check_int4_shapes(plan)
     return plan
@@ -177,7 +181,8 @@ def compiles(cfg: EngineConfig) -> bool:
     AVX2-only CPU stays eager, as before (its graphs prefilled 512 tokens slower there). Quantized weights (weights=...)
     follow the same rule (eager dequantizes a prompt's weights op by op). A cold start compiles
     (about a minute for SmolLM2 on 2 cores) and keeps the graphs on disk for later starts
-    (engine.rank.kept_graphs). $PREFILL_ENGINE_COMPILE=0 keeps every CPU engine whose compile
+    (engine.rank.kept_graphs); where the step timings a start keeps say every kind ran faster
+    without the graphs, later starts build none (Worker._compiled_model). $PREFILL_ENGINE_COMPILE=0 keeps every CPU engine whose compile
     is unset eager: quick starts, as the test suite wants."""
     if cfg.compile is not None:
         return cfg.compile

@@ -190,15 +190,66 @@ def test_decode_steps_timed_fastest_as_one_call_run_so(llama, want, tmp_path):
     mp = _graph_rows_timed(tmp_path, "multiply-and-sum", one_call_decode=True)
     try:
         with LLM(llama, compile=True, **SETTINGS) as llm:
-            [line] = [k for k in llm.rank_info()[0].kernels if k.startswith("graph-decode ")]
+            kernels = llm.rank_info()[0].kernels
+            [line] = [k for k in kernels if k.startswith("graph-decode ")]
             before = len(llm.step_timings())
             logits, tokens = _run(llm)
             steps = llm.step_timings()[before:]
     finally:
         mp.undo()
     assert ": one-call (" in line and "graph " in line and "eager " in line
+    assert not [k for k in kernels if k.startswith("decode-steps")]  # not timed again
     assert {t.graph for t in steps if t.num_tokens == t.num_seqs} == {"layers-call"}
     assert "layers" in {t.graph for t in steps}
+    want_logits, want_tokens = want
+    for got, expected in zip(logits, want_logits):
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    assert tokens == want_tokens
+
+
+@pytest.mark.parametrize("graphs_lose", [True, False])
+def test_a_default_start_builds_no_graphs_where_kept_timings_say_they_lost_every_kind(
+        llama, want, tmp_path, monkeypatch, graphs_lose):
+    """compile unset (the default) on a CPU: the first start builds the graphs and times each
+    kind of step. Where every kind ran faster without them (prompts eagerly, decode steps as
+    one C++ call), the next start of the same setup reads those timings and builds no graphs:
+    nothing compiled or loaded, nothing timed, rank_info says why, each kind runs the way kept,
+    and the answers are eager's. Where one kind's graphs won (prompts), the next start builds
+    them again."""
+    from engine.plan import COMPILE_ENV
+    from engine.rank.compiled import CompiledModel
+
+    monkeypatch.delenv(COMPILE_ENV)  # the suite's conftest keeps unset compiles eager
+    made, real_init = [], CompiledModel.__init__
+    monkeypatch.setattr(CompiledModel, "__init__",
+                        lambda self, *a, **k: (made.append(self), real_init(self, *a, **k))[1])
+    mp = _graph_rows_timed(tmp_path, "multiply-and-sum",
+                           eager_steps=("prompt",) if graphs_lose else ("decode",),
+                           one_call_decode=graphs_lose)
+    timed, time_step = [], kernel_choice._time_step
+    mp.setattr(kernel_choice, "_time_step", lambda kind, *a: (timed.append(kind),
+                                                              time_step(kind, *a))[1])
+    try:
+        with LLM(llama, **SETTINGS) as llm:
+            assert llm.rank_info()[0].compiled and len(made) == 1
+        assert sorted(timed) == ["decode", "prompt"]
+        timed.clear()
+        with LLM(llama, **SETTINGS) as llm:
+            info = llm.rank_info()[0]
+            logits, tokens = _run(llm)
+            steps = llm.step_timings()
+    finally:
+        mp.undo()
+    graphs = {t.graph for t in steps}
+    notes = [k for k in info.kernels if k.startswith("graphs: none built")]
+    if graphs_lose:
+        assert not info.compiled and len(made) == 1 and notes and timed == []
+        assert all("kept on disk" in k for k in info.kernels if k.startswith("graph-"))
+        assert {t.graph for t in steps if t.num_tokens == t.num_seqs} == {"layers-call"}
+        assert graphs == {"", "layers-call"}
+    else:
+        assert info.compiled and len(made) == 2 and not notes
+        assert "layers" in graphs
     want_logits, want_tokens = want
     for got, expected in zip(logits, want_logits):
         torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)

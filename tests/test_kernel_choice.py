@@ -840,3 +840,38 @@ def test_a_decode_step_keeps_its_one_call_unless_another_way_is_faster_by_the_ma
     ways = kc.KernelChoice(torch.float32).choose_graph_steps(steps, (2, 32), "setup")
     assert ways == {"decode": way}
     assert sorted(ran) == [("decode", "eager"), ("decode", "graph"), ("decode", "one-call")]
+
+
+@pytest.mark.parametrize("decode_way", ["one-call", "graph"])
+def test_kept_step_timings_name_the_eager_ways_only_where_no_kind_took_its_graphs(
+        cache, monkeypatch, decode_way):
+    """kept_eager_steps reads choose_graph_steps' kept timings and runs nothing: the ways of
+    every kind where none took its graphs, else None; None too for another setup, another
+    set of ways, or a kind never timed."""
+    seconds = {"graph": 1e-3 if decode_way == "graph" else 3e-3, "eager": 2e-3, "one-call": 1.5e-3}
+    monkeypatch.setattr(kc, "_time_step", lambda kind, candidates, rounds: (
+        [run() for run in candidates.values()] and {way: seconds[way] for way in candidates}
+        if kind == "decode" else {"graph": 2e-3, "eager": 1e-3}))
+    ways = {"prompt": ("graph", "eager"), "decode": ("graph", "eager", "one-call")}
+    built_in = {"prompt": "graph", "decode": "one-call"}
+    steps, ran = _graph_steps(ways, built_in)
+    timed = kc.KernelChoice(torch.float32).choose_graph_steps(steps, (2, 32), "setup")
+    assert timed == {"prompt": "eager", "decode": decode_way}
+    ran.clear()
+    choice = kc.KernelChoice(torch.float32)
+    kept = choice.kept_eager_steps(steps, (2, 32), "setup")
+    assert ran == []
+    if decode_way == "graph":
+        assert kept is None and choice.picks == []
+        return
+    assert kept == timed
+    assert [(p.op, p.kernel, p.from_disk) for p in choice.picks] == [
+        ("graph-prompt", "eager", True), ("graph-decode", "one-call", True)]
+    no_call, _ = _graph_steps({**ways, "decode": ("graph", "eager")}, built_in)
+    prompts_only, _ = _graph_steps({"prompt": ways["prompt"]}, built_in)
+    with_another, _ = _graph_steps({**ways, "other": ("graph", "eager")}, {**built_in, "other": "graph"})
+    assert kc.KernelChoice(torch.float32).kept_eager_steps(steps, (2, 32), "other setup") is None
+    assert kc.KernelChoice(torch.float32).kept_eager_steps(no_call, (2, 32), "setup") is None
+    assert kc.KernelChoice(torch.float32).kept_eager_steps(with_another, (2, 32), "setup") is None
+    assert kc.KernelChoice(torch.float32).kept_eager_steps(prompts_only, (2, 32), "setup") == {
+        "prompt": "eager"}

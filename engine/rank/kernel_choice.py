@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -452,14 +452,27 @@ class KernelChoice:
         AMX Xeon."""
         store, ways = TimingStore.open(), {}
         for kind, (rows, candidates, built_in) in steps.items():
-            margin = GRAPH_PROMPT_MARGIN if kind == "prompt" else MARGIN
-            pick = store.get_or_time(Pick(f"graph-{kind}", model_shape, rows, built_in,
-                                          margin=margin), self.dtype, candidates,
+            pick = store.get_or_time(_graph_step_pick(kind, model_shape, rows, built_in),
+                                     self.dtype, candidates,
                                      partial(_time_step, kind, candidates, rounds), setup)
             self.picks.append(pick)
             ways[kind] = pick.kernel
         store.save()
         return ways
+
+    def kept_eager_steps(self, steps: dict[str, tuple[int, Iterable[str], str]],
+                         model_shape: tuple[int, ...], setup: str) -> dict[str, str] | None:
+        """The ways each kind of step runs where timings kept by choose_graph_steps (same
+        kinds, ways, shape and `setup`) say no kind runs through its graphs; None where one
+        does or a kind has no kept timing. Nothing is timed."""
+        store, picks = TimingStore.open(), []
+        for kind, (rows, ways, built_in) in steps.items():
+            pick = _graph_step_pick(kind, model_shape, rows, built_in)
+            if not store.kept(pick, self.dtype, ways, setup) or pick.kernel == "graph":
+                return None
+            picks.append(pick)
+        self.picks.extend(picks)
+        return {kind: pick.kernel for kind, pick in zip(steps, picks)}
 
     def choose_decode_call(self, candidates: dict[str, Callable[[], object]], built_in: str,
                            model_shape: tuple[int, ...],
@@ -698,6 +711,11 @@ def _time_decode_in_graph(heads: tuple[int, int, int], block_size: int, context:
     return {name: s / TIMED_DECODE_LAYERS for name, s in seconds.items()}
 
 
+def _graph_step_pick(kind: str, model_shape: tuple[int, ...], rows: int, built_in: str) -> Pick:
+    margin = GRAPH_PROMPT_MARGIN if kind == "prompt" else MARGIN
+    return Pick(f"graph-{kind}", model_shape, rows, built_in, margin=margin)
+
+
 def _time_attention(heads: tuple[int, int, int], tokens: int, dtype: torch.dtype,
                     kernels: dict[str, Callable], queries: int | None = None) -> dict[str, float]:
     """`queries` of `tokens` keys (all of them: a whole prompt's causal attention)."""
@@ -745,16 +763,25 @@ class TimingStore:
                     measure: Callable[[], dict[str, float]], setup: str = "") -> Pick:
         """`pick` with the kept timings of exactly these candidates, or with new ones. `setup`:
         what else the timing depends on, beyond the machine, the op and its shape."""
-        key = f"{TIMING_METHOD}|{self.machine}|{pick.op}|{dtype}|{pick.shape}|{pick.rows}"
-        key += f"|{setup}" if setup else ""
-        kept = self.entries.get(key)
+        if self.kept(pick, dtype, candidates, setup):
+            return pick
+        pick.seconds = measure()
+        self.entries[self._key(pick, dtype, setup)], self.changed = pick.seconds, True
+        return pick
+
+    def kept(self, pick: Pick, dtype: torch.dtype, candidates: Iterable[str],
+             setup: str = "") -> bool:
+        """Whether the kept timings of exactly these candidates fill `pick` (nothing timed)."""
+        kept = self.entries.get(self._key(pick, dtype, setup))
         if (isinstance(kept, dict) and set(kept) == set(candidates)
                 and all(isinstance(s, (int, float)) and s > 0 for s in kept.values())):
             pick.seconds, pick.from_disk = dict(kept), True
-            return pick
-        pick.seconds = measure()
-        self.entries[key], self.changed = pick.seconds, True
-        return pick
+            return True
+        return False
+
+    def _key(self, pick: Pick, dtype: torch.dtype, setup: str) -> str:
+        key = f"{TIMING_METHOD}|{self.machine}|{pick.op}|{dtype}|{pick.shape}|{pick.rows}"
+        return key + (f"|{setup}" if setup else "")
 
     def save(self) -> None:
         """Written whole, through a rename, so a reader never sees half a file; two ranks saving

@@ -105,13 +105,12 @@ class Worker:
                                              plan.block_size, plan.model.vocab_size)
                         if groups is not None else None)
         self._tracer: OpTracer | None = None
-        # graphs read decode_dtype copies, never packed ones (oneDNN's opaque layout)
-        self.compiled = (CompiledModel(self.model, self.decode_model if plan.decode_dtype else None,
-                                       self._graph_key(), self.kernels.graph_decode_fused)
-                         if plan.compile else None)
+        self._decode_timed = False  # a graph timing, run or kept, chose how decode steps run
+        self._graphs_note = ""
+        self.compiled = self._compiled_model()
         self.warmup_s = self._warm_up()
-        if not ("decode" in self._timed_graph_kinds and self.compiled.usable):
-            self._choose_decode_call()  # else _choose_graph_steps offered the call
+        if not self._decode_timed:
+            self._choose_decode_call()  # else the graph timing offered the call
 
     def _measure_kernels(self) -> float:
         started, heads = time.perf_counter(), self.shard.heads
@@ -203,10 +202,35 @@ class Worker:
         return (gemm.PROMPT_COPIES.add([w for w in weights if id(w) not in gated], rows)
                 + gemm.PROMPT_COPIES.add([w for w in weights if id(w) in gated], rows, halves=True))
 
+    def _compiled_model(self) -> CompiledModel | None:
+        """The rank's graphs (compile=True), built unless compile was unset and the step
+        timings an earlier start kept say no kind of step runs faster through them: then each
+        kind runs the way kept, and the start skips compiling or loading graphs (SmolLM2
+        float32 on the Zen 5 EPYC: 3.1 s against 5.6 s)."""
+        plan = self.plan
+        if not plan.compile or (plan.graphs_optional and self._took_kept_eager_steps()):
+            return None
+        # graphs read decode_dtype copies, never packed ones (oneDNN's opaque layout)
+        return CompiledModel(self.model, self.decode_model if plan.decode_dtype else None,
+                             self._graph_key(), self.kernels.graph_decode_fused)
+
+    def _took_kept_eager_steps(self) -> bool:
+        kinds = self._timed_graph_kinds
+        if not kinds:
+            return False
+        steps, setup, layers_call = self._graph_step_timing(kinds)
+        ways = self.kernels.kept_eager_steps(steps, self._model_shape(), setup)
+        if ways is None:
+            return False
+        self._take_step_ways(ways, layers_call)
+        self._graphs_note = ("graphs: none built (the step timings kept on disk: every kind "
+                             "ran faster without them; compile=True builds them)")
+        return True
+
     def _warm_up(self) -> float:
         """Compile (compile=True) and tune (Triton on a GPU) at start-up; seconds taken."""
         plan = self.plan
-        if not (plan.compile or plan.backend == "triton"):
+        if self.compiled is None and plan.backend != "triton":
             return 0.0
         # on a GPU the flash prefill autotunes per token bucket: every bucket a step can fall
         # in is tuned here (under the interpreter it runs one tile: nothing to tune)
@@ -222,7 +246,7 @@ class Worker:
             self.compiled.capture_decode_graphs(self.cache, self.kv_head_of_q_device,
                                                 plan.max_model_len, self.decode_model is not None)
             seconds += time.perf_counter() - start
-        if kinds and self.compiled.usable:
+        if kinds and self.compiled is not None and self.compiled.usable:
             start = time.perf_counter()
             self._choose_graph_steps(kinds)
             self.kernel_choice_s += time.perf_counter() - start
@@ -250,7 +274,17 @@ class Worker:
         (KernelChoice.choose_graph_steps; the one call is the way kept unless another is 10 %
         faster). A step returns its sampled token to the host, so on a GPU too it has finished
         when it returns."""
-        plan, compiled = self.plan, self.compiled
+        steps, setup, layers_call = self._graph_step_timing(kinds)
+        ways = self.kernels.choose_graph_steps(steps, self._model_shape(), setup)
+        for kind, way in ways.items():
+            self.compiled.graph_steps[kind] = way == "graph"
+        self._take_step_ways(ways, layers_call)
+
+    def _graph_step_timing(self, kinds: tuple[str, ...]) -> tuple[dict, str, DecodeLayersCall | None]:
+        """Each kind's timed step (its rows, a run of it each way, the way kept unless another
+        is faster), what the timings depend on beside the model's shape, and the float decode
+        call where it is one of the ways."""
+        plan = self.plan
         most = GPU_GRAPH_TIMING_TOKENS if plan.on_cuda else GRAPH_TIMING_TOKENS
         tokens = min(most, plan.max_num_batched_tokens, plan.max_model_len - 1)
         context = min(GRAPH_TIMING_TOKENS, plan.max_model_len - 1)
@@ -259,7 +293,7 @@ class Worker:
         layers_call = self._float_layers_call() if "decode" in kinds else None
 
         def run(kind: str, way: str) -> None:
-            compiled.graph_steps[kind] = way == "graph"
+            self.compiled.graph_steps[kind] = way == "graph"
             if layers_call is not None:  # else a quantized model's call stays as it is
                 self.layers_call = layers_call if way == ONE_CALL else None
             self.execute(batches[kind])
@@ -269,15 +303,16 @@ class Worker:
             ways = ("graph", "eager") + ((ONE_CALL,) if kind == "decode" and layers_call else ())
             steps[kind] = (batches[kind].num_tokens, {way: partial(run, kind, way) for way in ways},
                            ONE_CALL if ONE_CALL in ways else "graph")
-        kernels = self.kernels
         # what the graphs depend on, and what the eager steps read beside them
         setup = (f"{self._setup_key()} context={context} "
-                 f"packed={sorted(kernels.packed_decode_shapes)}")
-        picked = kernels.choose_graph_steps(steps, self._model_shape(), setup)
-        for kind, way in picked.items():
-            compiled.graph_steps[kind] = way == "graph"
+                 f"packed={sorted(self.kernels.packed_decode_shapes)}")
+        return steps, setup, layers_call
+
+    def _take_step_ways(self, ways: dict[str, str], layers_call: DecodeLayersCall | None) -> None:
+        """Decode steps run as the graph timing chose (the graphs' own switches aside)."""
         if layers_call is not None:
-            self.layers_call = layers_call if picked["decode"] == ONE_CALL else None
+            self.layers_call = layers_call if ways["decode"] == ONE_CALL else None
+        self._decode_timed = "decode" in ways
 
     def _float_layers_call(self) -> DecodeLayersCall | None:
         """A float model's decode steps as one C++ call (one rank) or a call per layer part
@@ -444,8 +479,8 @@ class Worker:
                         self.cache.nbytes, os.getpid(),
                         self.compiled is not None and self.compiled.usable, self.warmup_s,
                         self.load_s, self.digest.seconds,
-                        self.kernels.describe() + ([self._layers_call_note]
-                                                   if self._layers_call_note else []),
+                        self.kernels.describe() + [note for note in (self._layers_call_note,
+                                                                     self._graphs_note) if note],
                         self.kernel_choice_s, self.huge_page_bytes, self.tp.all_reduce_kind())
 
     def weight_digest(self) -> Slices:
