@@ -811,18 +811,21 @@ def _graph_steps(ways: dict[str, tuple[str, ...]], built_in: dict[str, str]) -> 
     return steps, ran
 
 
-@pytest.mark.parametrize("eager_faster", [1.01, 1.05])
-def test_prompt_steps_go_eager_by_a_smaller_margin_than_decode_steps(cache, monkeypatch,
-                                                                     eager_faster):
-    """A step kind keeps its graphs unless timed faster eagerly: a prompt by more than
-    GRAPH_PROMPT_MARGIN, a decode step by more than MARGIN; both kinds' runs are timed."""
+@pytest.mark.parametrize("faster", [1.01, 1.05])
+def test_a_prompt_step_takes_its_graph_by_a_smaller_margin_than_decode_steps_leave_theirs(
+        cache, monkeypatch, faster):
+    """The built-in ways the worker passes: a prompt runs eagerly unless its graph is faster by
+    more than GRAPH_PROMPT_MARGIN; a decode step keeps its graphs unless eager is faster by more
+    than MARGIN. Both kinds' runs are timed."""
     monkeypatch.setattr(kc, "_time_step", lambda kind, candidates, rounds: (
-        [run() for run in candidates.values()] and {"graph": 1e-3 * eager_faster, "eager": 1e-3}))
+        [run() for run in candidates.values()]
+        and ({"graph": 1e-3 / faster, "eager": 1e-3} if kind == "prompt"
+             else {"graph": 1e-3 * faster, "eager": 1e-3})))
     steps, ran = _graph_steps({"prompt": ("graph", "eager"), "decode": ("graph", "eager")},
-                              {"prompt": "graph", "decode": "graph"})
+                              {"prompt": "eager", "decode": "graph"})
     ways = kc.KernelChoice(torch.float32).choose_graph_steps(steps, (2, 32), "setup")
     assert kc.GRAPH_PROMPT_MARGIN < 1.05 < kc.MARGIN
-    assert ways == {"prompt": "graph" if eager_faster < kc.GRAPH_PROMPT_MARGIN else "eager",
+    assert ways == {"prompt": "eager" if faster < kc.GRAPH_PROMPT_MARGIN else "graph",
                     "decode": "graph"}
     assert sorted(ran) == [("decode", "eager"), ("decode", "graph"), ("prompt", "eager"),
                            ("prompt", "graph")]
@@ -853,7 +856,7 @@ def test_kept_step_timings_name_the_eager_ways_only_where_no_kind_took_its_graph
         [run() for run in candidates.values()] and {way: seconds[way] for way in candidates}
         if kind == "decode" else {"graph": 2e-3, "eager": 1e-3}))
     ways = {"prompt": ("graph", "eager"), "decode": ("graph", "eager", "one-call")}
-    built_in = {"prompt": "graph", "decode": "one-call"}
+    built_in = {"prompt": "eager", "decode": "one-call"}
     steps, ran = _graph_steps(ways, built_in)
     timed = kc.KernelChoice(torch.float32).choose_graph_steps(steps, (2, 32), "setup")
     assert timed == {"prompt": "eager", "decode": decode_way}

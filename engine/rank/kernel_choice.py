@@ -75,12 +75,14 @@ MARGIN = 1.10
 # slower, no wrong answer
 PROMPT_COPY_ROWS = 512
 PROMPT_COPY_MARGIN = 1.02
-# A prompt step runs eagerly where timed this much faster than through its graph. A prompt
-# step takes hundreds of ms, timed whole both ways in one process: steadier than the short
-# kernels MARGIN guards. Its graph calls the kernels an eager step calls, one per weight shape,
-# where an eager step takes each row count's pick (on the AMX Xeon, MKL's product for
-# SmolLM2's 3072-row weight at 2048 float32 rows): eager prompts there timed faster, by less
-# than MARGIN (BENCHMARKS.md, session 56).
+# A prompt step runs through its graph only where timed this much faster than eagerly: at
+# parity eager is the pick, since a start whose timings kept say no kind runs through graphs
+# builds none (Worker._compiled_model; SmolLM2 float32 prompts on the Zen 5 EPYC: 130 ms eager
+# against 132 through the graph). A prompt step takes hundreds of ms, timed whole both ways in
+# one process: steadier than the short kernels MARGIN guards. Its graph calls the kernels an
+# eager step calls, one per weight shape, where an eager step takes each row count's pick (on
+# the AMX Xeon, MKL's product for SmolLM2's 3072-row weight at 2048 float32 rows): eager
+# prompts there timed faster, by less than MARGIN (BENCHMARKS.md, session 56).
 GRAPH_PROMPT_MARGIN = 1.02
 # the copies are not offered where they would take more than this share of the memory the
 # machine has available at start-up (a large model's would leave too little for the rest)

@@ -271,8 +271,8 @@ class Worker:
     def _choose_graph_steps(self, kinds: tuple[str, ...]) -> None:
         """Time a step of each kind through its graphs and eagerly, and a float model's decode
         step as one C++ call where its layers take it; each kind runs the fastest way
-        (KernelChoice.choose_graph_steps; the one call is the way kept unless another is 10 %
-        faster). A step returns its sampled token to the host, so on a GPU too it has finished
+        (KernelChoice.choose_graph_steps; a prompt runs eagerly unless its graph is 2 % faster,
+        a decode step as the one call unless another way is 10 % faster). A step returns its sampled token to the host, so on a GPU too it has finished
         when it returns."""
         steps, setup, layers_call = self._graph_step_timing(kinds)
         ways = self.kernels.choose_graph_steps(steps, self._model_shape(), setup)
@@ -301,8 +301,9 @@ class Worker:
         steps = {}
         for kind in kinds:
             ways = ("graph", "eager") + ((ONE_CALL,) if kind == "decode" and layers_call else ())
+            built_in = "eager" if kind == "prompt" else ONE_CALL if ONE_CALL in ways else "graph"
             steps[kind] = (batches[kind].num_tokens, {way: partial(run, kind, way) for way in ways},
-                           ONE_CALL if ONE_CALL in ways else "graph")
+                           built_in)
         # what the graphs depend on, and what the eager steps read beside them
         setup = (f"{self._setup_key()} context={context} "
                  f"packed={sorted(self.kernels.packed_decode_shapes)}")
