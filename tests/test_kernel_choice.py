@@ -605,21 +605,29 @@ def test_bf16_decode_reads_packed_copies_where_they_won(tiny_model_dir, cache, m
 
 def test_without_onednn_bf16_a_bf16_model_times_torch_and_float32_products(cache, monkeypatch):
     """An AVX2-only CPU (oneDNN builds no bf16 products there; patched so on any CPU): a bf16
-    model's projections choose between torch's bf16 GEMM, the built-in, and float32 products;
-    no packed decode copies; prompt attention's built-in is SDPA. Every pick is the product."""
+    model's projections choose between torch's bf16 GEMM, the built-in, and float32 products
+    through torch's GEMM and through oneDNN's; no packed decode copies; prompt attention's
+    built-in is SDPA. Every pick, and every candidate, is the product."""
     monkeypatch.setattr(gemm, "HAVE_ONEDNN_BF16", False)
     choice, weights = _measured(torch.bfloat16)
     linears = [p for p in choice.picks if p.op == "linear"]
-    assert linears and all(set(p.seconds) == {"torch", "float32", *["mv"] * (p.rows == 1)}
-                           and p.built_in == "torch" for p in linears)
+    assert linears and all(
+        set(p.seconds) == {"torch", "float32", "float32-onednn", *["mv"] * (p.rows == 1)}
+        and p.built_in == "torch" for p in linears)
     assert not [p for p in choice.picks if p.op == "decode-weights"]
     assert all(p.built_in == "sdpa" for p in choice.picks if p.op == "attention")
     gen = torch.Generator().manual_seed(4)
     for rows in (1, 3, 64):
         x = torch.randn(rows, 32, generator=gen).bfloat16()
         for w in weights:
-            torch.testing.assert_close(choice.linear(x, w).double(), x.double() @ w.double().t(),
-                                       rtol=0, atol=0.03)
+            bias = torch.randn(w.shape[0], generator=gen).bfloat16()
+            want = x.double() @ w.double().t()
+            torch.testing.assert_close(choice.linear(x, w).double(), want, rtol=0, atol=0.03)
+            for name, kernel in kc.linear_kernels(torch.bfloat16, rows).items():
+                got = kernel(x, w, bias)
+                assert got.dtype == torch.bfloat16, name
+                torch.testing.assert_close(got.double(), want + bias.double(), rtol=0, atol=0.03,
+                                           msg=name)
 
 
 def test_without_onednn_bf16_a_bf16_engine_matches_float32(tiny_model_dir, cache, monkeypatch):

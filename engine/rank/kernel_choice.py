@@ -98,13 +98,18 @@ def linear_kernels(dtype: torch.dtype, rows: int) -> dict[str, Callable]:
     """(x, weight, bias) -> x Wᵀ + b for `rows` rows. "torch": F.linear, torch's own CPU GEMM
     (MKL for float32 on x86); "onednn": oneDNN's inner product, the built-in choice where it
     runs this dtype (engine.rank.gemm); for bf16, "float32": the product of float32 copies of x
-    and the weight, rounded back (on an AVX2-only CPU 8x torch's bf16 GEMM for 512 rows); for
-    one row, "mv": torch's matrix-vector product (matrix_vector_linear)."""
+    and the weight, rounded back (on an AVX2-only CPU 8x torch's bf16 GEMM for 512 rows), and
+    where oneDNN runs float32 products but not bf16 ones (an AVX2-only CPU), "float32-onednn":
+    the same through oneDNN's float32 inner product (1.04-1.26x torch's per SmolLM2 shape on the
+    Zen 5 EPYC held to AVX2, BENCHMARKS.md session 61); for one row, "mv": torch's
+    matrix-vector product (matrix_vector_linear)."""
     kernels = {"torch": F.linear}
     if gemm.onednn_runs(dtype):
         kernels["onednn"] = gemm.eager_onednn_linear
     if dtype == torch.bfloat16:
         kernels["float32"] = float32_linear
+        if gemm.onednn_runs(torch.float32) and not gemm.onednn_runs(dtype):
+            kernels["float32-onednn"] = float32_onednn_linear
     if rows == 1:
         kernels["mv"] = matrix_vector_linear
     return kernels
@@ -115,12 +120,18 @@ def built_in_linear(dtype: torch.dtype) -> str:
     return "onednn" if gemm.onednn_runs(dtype) else "torch"
 
 
-def float32_linear(x: torch.Tensor, weight: torch.Tensor,
-                   bias: torch.Tensor | None = None) -> torch.Tensor:
-    """A low-precision product computed in float32: the weight is widened per call (for a
-    prompt's rows the widening is small beside the product), so no float32 copy is held."""
-    y = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
-    return y.to(x.dtype)
+def _in_float32(product: Callable) -> Callable:
+    """A low-precision product computed in float32 by `product`: the weight is widened per call
+    (for a prompt's rows the widening is small beside the product), so no float32 copy is held."""
+    def linear(x: torch.Tensor, weight: torch.Tensor,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+        return product(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
+    return linear
+
+
+float32_linear = _in_float32(F.linear)
+float32_onednn_linear = _in_float32(
+    lambda x, weight, bias: torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], ""))
 
 
 def matrix_vector_linear(x: torch.Tensor, weight: torch.Tensor,
