@@ -182,8 +182,9 @@ def compiles(cfg: EngineConfig) -> bool:
     follow the same rule (eager dequantizes a prompt's weights op by op). A cold start compiles
     (about a minute for SmolLM2 on 2 cores) and keeps the graphs on disk for later starts
     (engine.rank.kept_graphs); where the step timings a start keeps say every kind ran faster
-    without the graphs, later starts build none (Worker._compiled_model). $PREFILL_ENGINE_COMPILE=0 keeps every CPU engine whose compile
-    is unset eager: quick starts, as the test suite wants."""
+    without the graphs, later starts build none (Worker._compiled_model).
+    $PREFILL_ENGINE_COMPILE=0 keeps every CPU engine whose compile is unset eager: quick
+    starts, as the test suite wants."""
     if cfg.compile is not None:
         return cfg.compile
     if cfg.device != "cpu":

@@ -77,8 +77,8 @@ PROMPT_COPY_ROWS = 512
 PROMPT_COPY_MARGIN = 1.02
 # A prompt step runs through its graph only where timed this much faster than eagerly: at
 # parity eager is the pick, since a start whose timings kept say no kind runs through graphs
-# builds none (Worker._compiled_model; SmolLM2 float32 prompts on the Zen 5 EPYC: 130 ms eager
-# against 132 through the graph). A prompt step takes hundreds of ms, timed whole both ways in
+# builds none (Worker._compiled_model; SmolLM2 float32 prompts on the Zen 5 EPYC: 137 ms eager
+# against 139 through the graph). A prompt step takes hundreds of ms, timed whole both ways in
 # one process: steadier than the short kernels MARGIN guards. Its graph calls the kernels an
 # eager step calls, one per weight shape, where an eager step takes each row count's pick (on
 # the AMX Xeon, MKL's product for SmolLM2's 3072-row weight at 2048 float32 rows): eager
@@ -125,7 +125,8 @@ def _in_float32(product: Callable) -> Callable:
     (for a prompt's rows the widening is small beside the product), so no float32 copy is held."""
     def linear(x: torch.Tensor, weight: torch.Tensor,
                bias: torch.Tensor | None = None) -> torch.Tensor:
-        return product(x.float(), weight.float(), None if bias is None else bias.float()).to(x.dtype)
+        wide_bias = None if bias is None else bias.float()
+        return product(x.float(), weight.float(), wide_bias).to(x.dtype)
     return linear
 
 

@@ -205,8 +205,8 @@ class Worker:
     def _compiled_model(self) -> CompiledModel | None:
         """The rank's graphs (compile=True), built unless compile was unset and the step
         timings an earlier start kept say no kind of step runs faster through them: then each
-        kind runs the way kept, and the start skips compiling or loading graphs (SmolLM2
-        float32 on the Zen 5 EPYC: 3.1 s against 5.6 s)."""
+        kind runs the way kept, and the start skips compiling or loading graphs (SmolLM2 on
+        the Zen 5 EPYC: 3 s against 8 in float32, 2 against 7 in bf16; BENCHMARKS.md)."""
         plan = self.plan
         if not plan.compile or (plan.graphs_optional and self._took_kept_eager_steps()):
             return None
@@ -272,15 +272,16 @@ class Worker:
         """Time a step of each kind through its graphs and eagerly, and a float model's decode
         step as one C++ call where its layers take it; each kind runs the fastest way
         (KernelChoice.choose_graph_steps; a prompt runs eagerly unless its graph is 2 % faster,
-        a decode step as the one call unless another way is 10 % faster). A step returns its sampled token to the host, so on a GPU too it has finished
-        when it returns."""
+        a decode step as the one call unless another way is 10 % faster). A step returns its
+        sampled token to the host, so on a GPU too it has finished when it returns."""
         steps, setup, layers_call = self._graph_step_timing(kinds)
         ways = self.kernels.choose_graph_steps(steps, self._model_shape(), setup)
         for kind, way in ways.items():
             self.compiled.graph_steps[kind] = way == "graph"
         self._take_step_ways(ways, layers_call)
 
-    def _graph_step_timing(self, kinds: tuple[str, ...]) -> tuple[dict, str, DecodeLayersCall | None]:
+    def _graph_step_timing(self, kinds: tuple[str, ...]
+                           ) -> tuple[dict, str, DecodeLayersCall | None]:
         """Each kind's timed step (its rows, a run of it each way, the way kept unless another
         is faster), what the timings depend on beside the model's shape, and the float decode
         call where it is one of the ways."""
