@@ -401,11 +401,14 @@ def _float_ranks(tmp_path, name: str, model_dir: str, world: int, kernel_choice:
                  seconds: dict[int, dict[str, float]] | None = None,
                  unfit_rank: int | None = None,
                  compile: bool = False) -> tuple[list, list[list[str]]]:
-    """`world` float32 ranks in a gloo group run so: (rank 0's steps, each rank's lines)."""
+    """`world` float32 ranks in a gloo group run so: (rank 0's steps, each rank's lines). Every
+    run of the session shares one cache folder: the kernels' timings (the same model and
+    shapes each time, none of them stood in) are taken once, not at each of these starts; the
+    decode-step timing these tests stand in is never kept on disk."""
     from tests.process_group import run_in_group
 
     out = str(tmp_path / name)
-    run_in_group(world, _float_worker_run, model_dir, str(tmp_path / f"cache-{name}"),
+    run_in_group(world, _float_worker_run, model_dir, str(tmp_path.parent / "float-ranks-cache"),
                  kernel_choice, seconds or {}, unfit_rank, compile, out)
     runs = [torch.load(f"{out}.{rank}") for rank in range(world)]
     return runs[0][0], [lines for _, lines in runs]
