@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -181,17 +182,54 @@ def test_timings_are_kept_and_a_damaged_file_is_measured_over(cache):
     assert [p.kernel for p in second.picks] == [p.kernel for p in first.picks]
     entries = json.loads(cache.read_text())
     assert len(entries) == len(first.picks)
-    # one entry with a candidate missing, one negative time: both measured again, not trusted
+    # a candidate missing, a negative time, no time of timing, times of the old format (no
+    # "seconds"): each measured again, not trusted
     keys = sorted(entries)
-    entries[keys[0]] = {"onednn": 1.0}
-    entries[keys[1]] = {name: -1.0 for name in entries[keys[1]]}
+    entries[keys[0]]["seconds"] = {"onednn": 1.0}
+    entries[keys[1]]["seconds"] = {name: -1.0 for name in entries[keys[1]]["seconds"]}
+    entries[keys[2]]["timed"] = "yesterday"
+    entries[keys[3]] = entries[keys[3]]["seconds"]
     cache.write_text(json.dumps(entries))
     third, _ = _measured()
-    assert sum(not p.from_disk for p in third.picks) == 2
+    assert sum(not p.from_disk for p in third.picks) == 4
     cache.write_text("{ not json")
     fourth, _ = _measured()
     assert not any(p.from_disk for p in fourth.picks)
     assert len(json.loads(cache.read_text())) == len(first.picks)
+
+
+def test_an_old_timing_is_measured_again_each_candidate_keeping_its_better_time(
+        cache, monkeypatch):
+    """A kept timing older than RETIME_AFTER (or stamped later than now: a clock set back) is
+    measured again, and each candidate keeps the lower of its kept and new times: a first timing
+    in which the faster kernel was slowed by something else running decides only until then."""
+    clock = [1000.0]
+    # the module's clock only: the process's time.time runs on
+    monkeypatch.setattr(kc, "time", SimpleNamespace(time=lambda: clock[0],
+                                                     perf_counter=time.perf_counter))
+    times = iter([{"slow": 4.0, "fast": 9.0},  # "fast" slowed at the first timing
+                  {"slow": 5.0, "fast": 1.0}, {"slow": 3.0, "fast": 2.0}])
+    timed = []
+
+    def choose() -> kc.Pick:
+        pick = kc.Pick("linear", (8, 8), 4, "slow", margin=1.0)
+        store = kc.TimingStore.open()
+        store.get_or_time(pick, torch.float32, {"slow": None, "fast": None},
+                          lambda: timed.append(clock[0]) or next(times))
+        store.save()
+        return pick
+
+    assert choose().kernel == "slow" and timed == [1000.0]
+    clock[0] += kc.RETIME_AFTER  # still within: read, not timed
+    kept = choose()
+    assert kept.from_disk and kept.seconds == {"slow": 4.0, "fast": 9.0} and len(timed) == 1
+    clock[0] += 1
+    again = choose()
+    assert not again.from_disk and again.seconds == {"slow": 4.0, "fast": 1.0}
+    assert again.kernel == "fast" and timed[-1] == clock[0]
+    assert choose().from_disk and len(timed) == 2  # the new timing's time is kept with it
+    clock[0] -= 10  # the clock set back behind the timing: measured again
+    assert choose().seconds == {"slow": 3.0, "fast": 1.0} and len(timed) == 3
 
 
 def test_timings_taken_under_one_openmp_are_not_trusted_under_the_other(cache, monkeypatch):
@@ -364,7 +402,7 @@ def test_a_kept_copy_timing_against_another_plain_kernel_is_measured_again(cache
         if plain == "torch":  # the projection's kept timings, as a new measurement leaves them
             entries = json.loads(cache.read_text())
             for key in (k for k in entries if "|linear|" in k):
-                entries[key]["torch"] = entries[key]["onednn"] / 4
+                entries[key]["seconds"]["torch"] = entries[key]["seconds"]["onednn"] / 4
             cache.write_text(json.dumps(entries))
         choice = kc.KernelChoice(torch.float32)
         choice.measure(weights, HEADS, 64)

@@ -399,19 +399,28 @@ def _float_worker_run(rank: int, world: int, model_dir: str, cache: str, kernel_
 
 def _float_ranks(tmp_path, name: str, model_dir: str, world: int, kernel_choice: str = "measure",
                  seconds: dict[int, dict[str, float]] | None = None,
-                 unfit_rank: int | None = None,
-                 compile: bool = False) -> tuple[list, list[list[str]]]:
+                 unfit_rank: int | None = None, compile: bool = False,
+                 kept_step_timing: bool = False) -> tuple[list, list[list[str]]]:
     """`world` float32 ranks in a gloo group run so: (rank 0's steps, each rank's lines). Every
     run of the session shares one cache folder: the kernels' timings (the same model and
     shapes each time, none of them stood in) are taken once, not at each of these starts; the
-    decode-step timing these tests stand in is never kept on disk."""
+    decode-step timing these tests stand in (kept by one rank) is dropped before each run
+    unless `kept_step_timing`."""
+    from engine.machine import read_whole, write_whole
     from tests.process_group import run_in_group
 
-    out = str(tmp_path / name)
-    run_in_group(world, _float_worker_run, model_dir, str(tmp_path.parent / "float-ranks-cache"),
+    out, timings = str(tmp_path / name), _float_ranks_cache(tmp_path) / "kernel_timings.json"
+    if not kept_step_timing:
+        write_whole(timings, {key: entry for key, entry in read_whole(timings).items()
+                              if "|decode-steps|" not in key})
+    run_in_group(world, _float_worker_run, model_dir, str(timings.parent),
                  kernel_choice, seconds or {}, unfit_rank, compile, out)
     runs = [torch.load(f"{out}.{rank}") for rank in range(world)]
     return runs[0][0], [lines for _, lines in runs]
+
+
+def _float_ranks_cache(tmp_path):
+    return tmp_path.parent / "float-ranks-cache"
 
 
 @pytest.fixture(scope="module")
@@ -438,7 +447,8 @@ def test_eager_float_ranks_decode_the_way_rank_0_timed_fastest(tiny_model_dir, f
     pick, at tp=2 even where rank 1 timed the other way faster (ranks choosing apart would sum
     differently made steps); decode steps so picked run the call ("layers-call") and give the
     eager ranks' logits (kernel_choice="fixed": no timing) to float32 rounding; prompts stay
-    eager."""
+    eager. One rank keeps its timing on disk and its next start reads it back (nothing timed);
+    ranks of tp=2 time at every start (a kept timing on one rank only would part them)."""
     path, want = str(tiny_model_dir("llama")), float_ranks_eager(world)
     call = "one-call" if world == 1 else "part-calls"
     call_faster = {0: {"eager": 2e-3, call: 1e-3}, 1: {"eager": 1e-3, call: 2e-3}}
@@ -453,6 +463,13 @@ def test_eager_float_ranks_decode_the_way_rank_0_timed_fastest(tiny_model_dir, f
         for step, ((got, _), (expected, _)) in enumerate(zip(steps, want)):
             torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5,
                                        msg=lambda m: f"step {step}: {m}")
+    from engine.machine import read_whole
+    kept = read_whole(_float_ranks_cache(tmp_path) / "kernel_timings.json")
+    assert len([key for key in kept if "|decode-steps|" in key]) == (world == 1)
+    if world == 1:  # timed faster as the call now, but the kept timing decides
+        _, lines = _float_ranks(tmp_path, "kept", path, 1, seconds=call_faster,
+                                kept_step_timing=True)
+        assert lines[0][0].endswith(" at 1 rows: eager (eager 1 ms, one-call 2 ms, kept on disk)")
 
 
 def test_a_rank_whose_layers_cannot_take_the_call_keeps_every_rank_off_it(tiny_model_dir,

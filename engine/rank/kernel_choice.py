@@ -12,7 +12,7 @@ powers of 4 (1, 2-4, 5-16, ..., 1025-4096, more) and each bucket is timed at its
 length, and a decode step's one query by its context length.
 Timings are kept on disk per CPU model, torch version, thread count and shape
 (`$PREFILL_ENGINE_CACHE`, else ~/.cache/prefill-engine), so only the first start-up on a machine
-pays for them; with compile=True so are whole steps timed through their graphs against eager
+pays for them (and one a week: RETIME_AFTER); with compile=True so are whole steps timed through their graphs against eager
 (under the model's shape and the settings they depend on), and the decode graph's attention.
 Quantized weights (weights=...) time their shapes' few-row products (engine.rank.quantized_rows).
 """
@@ -491,16 +491,24 @@ class KernelChoice:
     def choose_decode_call(self, candidates: dict[str, Callable[[], object]], built_in: str,
                            model_shape: tuple[int, ...],
                            first_rank: Callable[[dict[str, float]], dict[str, float]],
-                           rounds: int = 3) -> str:
+                           setup: str | None, rounds: int = 3) -> str:
         """A CPU rank whose decode steps no graph timing offered the C++ layers (eager, or
         tp > 1): a decode step of one row run each way in `candidates`, alternated, `rounds`
         runs each, on every rank at once (their sums pair the ranks' steps up); the way kept
         unless another is faster by MARGIN, decided on rank 0's timings (`first_rank` hands
-        them to every rank: ranks that chose apart would sum differently made steps). Timed at
-        every start, never kept on disk: a kept timing on one rank and none on another would
-        have them run different steps."""
+        them to every rank: ranks that chose apart would sum differently made steps). Kept on
+        disk under `setup` where one rank runs; None (tp > 1): timed at every start, as a kept
+        timing on one rank and none on another would have them run different steps."""
         pick = Pick("decode-steps", model_shape, 1, built_in)
-        pick.seconds = first_rank(_time_step("decode", candidates, rounds))
+        def measure() -> dict[str, float]:
+            return first_rank(_time_step("decode", candidates, rounds))
+
+        if setup is None:
+            pick.seconds = measure()
+        else:
+            store = TimingStore.open()
+            store.get_or_time(pick, self.dtype, candidates, measure, setup)
+            store.save()
         self.picks.append(pick)
         return pick.kernel
 
@@ -755,6 +763,23 @@ def keep_compiled_code() -> str:
 
 
 TIMING_METHOD = "v2"  # part of each kept timing's key: a change of method measures again
+# A kept timing is measured again after this long, each candidate keeping the better of its kept
+# and new times: a timing taken while something else ran (only ever slower) would otherwise
+# decide for every later start on the machine; the best of several converges on its own speed.
+# Rare enough that nearly every start reads its timings: a new timing costs seconds of one start.
+RETIME_AFTER = 7 * 24 * 3600.0
+
+
+def _kept_seconds(entry: object, candidates: Iterable[str]) -> dict[str, float] | None:
+    """A kept entry's times where it holds one (a positive number) for exactly these
+    candidates and says when it was timed; else None (measured again, never trusted)."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("timed"), (int, float)):
+        return None
+    seconds = entry.get("seconds")
+    if (isinstance(seconds, dict) and set(seconds) == set(candidates)
+            and all(isinstance(s, (int, float)) and s > 0 for s in seconds.values())):
+        return dict(seconds)
+    return None
 
 
 class TimingStore:
@@ -776,22 +801,28 @@ class TimingStore:
     def get_or_time(self, pick: Pick, dtype: torch.dtype, candidates: dict[str, Callable],
                     measure: Callable[[], dict[str, float]], setup: str = "") -> Pick:
         """`pick` with the kept timings of exactly these candidates, or with new ones. `setup`:
-        what else the timing depends on, beyond the machine, the op and its shape."""
+        what else the timing depends on, beyond the machine, the op and its shape. A kept
+        timing older than RETIME_AFTER is measured again, each candidate keeping the better of
+        its two times."""
         if self.kept(pick, dtype, candidates, setup):
             return pick
-        pick.seconds = measure()
-        self.entries[self._key(pick, dtype, setup)], self.changed = pick.seconds, True
+        key = self._key(pick, dtype, setup)
+        earlier = _kept_seconds(self.entries.get(key), candidates) or {}
+        pick.seconds = {name: min(s, earlier.get(name, s)) for name, s in measure().items()}
+        self.entries[key] = {"seconds": pick.seconds, "timed": time.time()}
+        self.changed = True
         return pick
 
     def kept(self, pick: Pick, dtype: torch.dtype, candidates: Iterable[str],
              setup: str = "") -> bool:
-        """Whether the kept timings of exactly these candidates fill `pick` (nothing timed)."""
-        kept = self.entries.get(self._key(pick, dtype, setup))
-        if (isinstance(kept, dict) and set(kept) == set(candidates)
-                and all(isinstance(s, (int, float)) and s > 0 for s in kept.values())):
-            pick.seconds, pick.from_disk = dict(kept), True
-            return True
-        return False
+        """Whether kept timings of exactly these candidates, taken less than RETIME_AFTER ago,
+        fill `pick` (nothing timed)."""
+        entry = self.entries.get(self._key(pick, dtype, setup))
+        seconds = _kept_seconds(entry, candidates)
+        if seconds is None or not 0 <= time.time() - entry["timed"] <= RETIME_AFTER:
+            return False
+        pick.seconds, pick.from_disk = seconds, True
+        return True
 
     def _key(self, pick: Pick, dtype: torch.dtype, setup: str) -> str:
         key = f"{TIMING_METHOD}|{self.machine}|{pick.op}|{dtype}|{pick.shape}|{pick.rows}"

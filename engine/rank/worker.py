@@ -305,10 +305,13 @@ class Worker:
             built_in = "eager" if kind == "prompt" else ONE_CALL if ONE_CALL in ways else "graph"
             steps[kind] = (batches[kind].num_tokens, {way: partial(run, kind, way) for way in ways},
                            built_in)
-        # what the graphs depend on, and what the eager steps read beside them
-        setup = (f"{self._setup_key()} context={context} "
-                 f"packed={sorted(self.kernels.packed_decode_shapes)}")
-        return steps, setup, layers_call
+        return steps, self._step_setup(context), layers_call
+
+    def _step_setup(self, context: int) -> str:
+        """What a timed step's speed depends on beside the model's shape: the settings and
+        graphs, the timed context, and the packed copies its eager decode products read."""
+        return (f"{self._setup_key()} context={context} "
+                f"packed={sorted(self.kernels.packed_decode_shapes)}")
 
     def _take_step_ways(self, ways: dict[str, str], layers_call: DecodeLayersCall | None) -> None:
         """Decode steps run as the graph timing chose (the graphs' own switches aside)."""
@@ -349,7 +352,7 @@ class Worker:
         engine, or one of tp > 1 ranks; a collective there: every rank runs it at the same
         point): a float model's decode step timed as one C++ call (one rank) or a call per
         layer part (tp > 1) and as the rank runs it otherwise (graphs or eager), alternated on
-        every rank at once; rank 0's timings decide for all
+        every rank at once; rank 0's timings decide for all; one rank keeps its timing on disk
         (KernelChoice.choose_decode_call)."""
         if not self.plan.measure_kernels:
             return
@@ -357,8 +360,8 @@ class Worker:
         if layers_call is None:
             return
         start, plan = time.perf_counter(), self.plan
-        batch = warm_up_batch(1, min(GRAPH_TIMING_TOKENS, plan.max_model_len - 1), 1,
-                              plan.block_size)
+        context = min(GRAPH_TIMING_TOKENS, plan.max_model_len - 1)
+        batch = warm_up_batch(1, context, 1, plan.block_size)
         graphs = self.compiled is not None and self.compiled.usable
         other = "graph" if graphs and self.compiled.graph_steps["decode"] else "eager"
         call = ONE_CALL if plan.world_size == 1 else PART_CALLS
@@ -367,8 +370,10 @@ class Worker:
             self.layers_call = layers_call if way == call else None
             self.execute(batch)
 
+        setup = self._step_setup(context) if plan.world_size == 1 else None
         way = self.kernels.choose_decode_call({way: partial(run, way) for way in (other, call)},
-                                              call, self._model_shape(), self._first_rank_seconds)
+                                              call, self._model_shape(), self._first_rank_seconds,
+                                              setup)
         self.layers_call = layers_call if way == call else None
         self.kernel_choice_s += time.perf_counter() - start
 
