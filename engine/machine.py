@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import time
 from pathlib import Path
 
 # the vector extensions a kept measurement depends on
@@ -26,6 +27,21 @@ def cpu_description() -> str:
     except OSError:
         pass
     return f"{model}|{flags}"
+
+
+# A kept measurement (kernel timings, the CPU runtime's probe) is taken again after this long,
+# each candidate keeping the better of its kept and new times: one taken while something else
+# ran (which only ever makes it slower) would otherwise decide for every later start on the
+# machine; the best of several converges on the machine's own speed. Rare enough that nearly
+# every start reads what was kept: a new measurement costs seconds of one start.
+REMEASURE_AFTER = 7 * 24 * 3600.0
+
+
+def measured_long_ago(timed: object) -> bool:
+    """Whether a measurement kept with `timed` (time.time() when taken) is to be taken again:
+    over REMEASURE_AFTER old, stamped later than now (a clock set back), or not stamped."""
+    return not (isinstance(timed, (int, float))
+                and 0 <= time.time() - timed <= REMEASURE_AFTER)
 
 
 def cache_dir() -> Path:

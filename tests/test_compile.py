@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from engine import LLM, SamplingParams, machine
 from engine.loading.synthetic import random_token_ids
 from engine.rank import kernel_choice
 
@@ -215,7 +215,7 @@ def test_a_default_start_builds_no_graphs_where_kept_timings_say_they_lost_every
     eagerly, their graph 1 % faster: within the margin, eager kept), the next start of the
     same setup reads those timings and builds no graphs: nothing compiled or loaded, nothing
     timed, rank_info says why, each kind runs the way kept, and the answers are eager's, until
-    the timings are a week old (RETIME_AFTER): that start builds and times them again. Where
+    the timings are a week old (REMEASURE_AFTER): that start builds and times them again. Where
     the prompt graph won (10 % faster), the next start builds the graphs again."""
     from engine.plan import COMPILE_ENV
     from engine.rank.compiled import CompiledModel
@@ -246,8 +246,8 @@ def test_a_default_start_builds_no_graphs_where_kept_timings_say_they_lost_every
             logits, tokens = _run(llm)
             steps = llm.step_timings()
         second = (len(made), list(timed))
-        if graphs_lose:  # the timings out of date (over RETIME_AFTER old): built, timed again
-            mp.setattr(kernel_choice, "RETIME_AFTER", -1.0)
+        if graphs_lose:  # the timings out of date (over REMEASURE_AFTER old): built, timed again
+            mp.setattr(machine, "REMEASURE_AFTER", -1.0)
             with LLM(llama, **SETTINGS) as llm:
                 assert llm.rank_info()[0].compiled and len(made) == 2
             assert sorted(timed) == ["decode", "prompt"]

@@ -3,6 +3,7 @@ this machine: the choice measured once and kept, the relaunch of a real app, and
 a program that only imported one."""
 from __future__ import annotations
 
+import json
 import os
 import platform
 import subprocess
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from engine import cpu_runtime
+from engine import cpu_runtime, machine
 from engine.errors import ConfigError
 from launcher import generate
 from launcher.hydra_main import _runs_as_program
@@ -55,6 +56,24 @@ def test_the_choice_is_measured_once_and_kept(monkeypatch, tmp_path):
     assert measured == [1, 1]
 
 
+def test_an_out_of_date_choice_is_measured_again_each_way_keeping_its_better_time(
+        monkeypatch, tmp_path):
+    """A kept choice over REMEASURE_AFTER old is probed again; each way keeps the lower of its
+    kept and new times, and the choice follows them: a first probe in which the faster way was
+    slowed by something else running decides only until then."""
+    monkeypatch.setenv("PREFILL_ENGINE_CACHE", str(tmp_path))
+    monkeypatch.delenv(cpu_runtime.CHOICE_ENV, raising=False)
+    monkeypatch.setattr(cpu_runtime, "intel_libraries", lambda: ["/lib/libiomp5.so"])
+    probes = iter([{"intel_s": 3.0, "gnu_s": 2.0},  # the first probe: intel slowed
+                   {"intel_s": 1.0, "gnu_s": 2.5}])
+    monkeypatch.setattr(cpu_runtime, "measure", lambda: {"choice": "gnu", **next(probes)})
+    assert cpu_runtime.choice() == "gnu" and cpu_runtime.choice() == "gnu"  # kept: not probed
+    monkeypatch.setattr(machine, "REMEASURE_AFTER", -1.0)
+    assert cpu_runtime.choice() == "intel"
+    [kept] = json.loads((tmp_path / "cpu_runtime.json").read_text()).values()
+    assert (kept["intel_s"], kept["gnu_s"], kept["choice"]) == (1.0, 2.0, "intel")
+
+
 @pytest.mark.skipif(not X86_LINUX, reason="the intel-openmp wheel is x86-64 Linux's")
 def test_measure_times_the_probe_both_ways(monkeypatch):
     monkeypatch.setattr(cpu_runtime, "PROBE_ROUNDS", 1)
@@ -88,6 +107,8 @@ def test_a_failed_probe_keeps_torchs_runtime_and_is_not_repeated(monkeypatch, tm
     monkeypatch.setattr(cpu_runtime, "measure", failing)
     assert cpu_runtime.choice() == "gnu" and cpu_runtime.choice() == "gnu"
     assert failed == [1]
+    monkeypatch.setattr(machine, "REMEASURE_AFTER", -1.0)  # until it is out of date
+    assert cpu_runtime.choice() == "gnu" and failed == [1, 1]
 
 
 def test_a_program_that_imports_an_app_is_not_relaunched(monkeypatch):

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
+from engine import LLM, SamplingParams, machine
 from engine.errors import ConfigError
 from engine.rank import gemm
 from engine.rank import kernel_choice as kc, worker
@@ -200,13 +200,15 @@ def test_timings_are_kept_and_a_damaged_file_is_measured_over(cache):
 
 def test_an_old_timing_is_measured_again_each_candidate_keeping_its_better_time(
         cache, monkeypatch):
-    """A kept timing older than RETIME_AFTER (or stamped later than now: a clock set back) is
-    measured again, and each candidate keeps the lower of its kept and new times: a first timing
-    in which the faster kernel was slowed by something else running decides only until then."""
+    """A kept timing older than REMEASURE_AFTER (or stamped later than now: a clock set back)
+    is measured again, and each candidate keeps the lower of its kept and new times: a first
+    timing in which the faster kernel was slowed by something else running decides only until
+    then."""
     clock = [1000.0]
-    # the module's clock only: the process's time.time runs on
-    monkeypatch.setattr(kc, "time", SimpleNamespace(time=lambda: clock[0],
-                                                     perf_counter=time.perf_counter))
+    # the modules' clock only: the process's time.time runs on
+    stopped = SimpleNamespace(time=lambda: clock[0], perf_counter=time.perf_counter)
+    monkeypatch.setattr(kc, "time", stopped)
+    monkeypatch.setattr(machine, "time", stopped)
     times = iter([{"slow": 4.0, "fast": 9.0},  # "fast" slowed at the first timing
                   {"slow": 5.0, "fast": 1.0}, {"slow": 3.0, "fast": 2.0}])
     timed = []
@@ -220,7 +222,7 @@ def test_an_old_timing_is_measured_again_each_candidate_keeping_its_better_time(
         return pick
 
     assert choose().kernel == "slow" and timed == [1000.0]
-    clock[0] += kc.RETIME_AFTER  # still within: read, not timed
+    clock[0] += machine.REMEASURE_AFTER  # still within: read, not timed
     kept = choose()
     assert kept.from_disk and kept.seconds == {"slow": 4.0, "fast": 9.0} and len(timed) == 1
     clock[0] += 1

@@ -12,8 +12,9 @@ powers of 4 (1, 2-4, 5-16, ..., 1025-4096, more) and each bucket is timed at its
 length, and a decode step's one query by its context length.
 Timings are kept on disk per CPU model, torch version, thread count and shape
 (`$PREFILL_ENGINE_CACHE`, else ~/.cache/prefill-engine), so only the first start-up on a machine
-pays for them (and one a week: RETIME_AFTER); with compile=True so are whole steps timed through their graphs against eager
-(under the model's shape and the settings they depend on), and the decode graph's attention.
+pays for them (and one a week: engine.machine.REMEASURE_AFTER); with compile=True so are whole
+steps timed through their graphs against eager (under the model's shape and the settings they
+depend on), and the decode graph's attention.
 Quantized weights (weights=...) time their shapes' few-row products (engine.rank.quantized_rows).
 """
 from __future__ import annotations
@@ -33,7 +34,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine import cpu_runtime
-from engine.machine import cache_dir, cpu_description, read_whole, write_whole
+from engine.machine import (cache_dir, cpu_description, measured_long_ago, read_whole,
+                            write_whole)
 from engine.rank import fused_attention, gemm, ops, quantized_rows
 from engine.rank.attention import (fixed_prompt_kernel, float32_decode_attention,
                                    sdpa_attention, torch_attention)
@@ -763,17 +765,12 @@ def keep_compiled_code() -> str:
 
 
 TIMING_METHOD = "v2"  # part of each kept timing's key: a change of method measures again
-# A kept timing is measured again after this long, each candidate keeping the better of its kept
-# and new times: a timing taken while something else ran (only ever slower) would otherwise
-# decide for every later start on the machine; the best of several converges on its own speed.
-# Rare enough that nearly every start reads its timings: a new timing costs seconds of one start.
-RETIME_AFTER = 7 * 24 * 3600.0
 
 
 def _kept_seconds(entry: object, candidates: Iterable[str]) -> dict[str, float] | None:
     """A kept entry's times where it holds one (a positive number) for exactly these
-    candidates and says when it was timed; else None (measured again, never trusted)."""
-    if not isinstance(entry, dict) or not isinstance(entry.get("timed"), (int, float)):
+    candidates; else None (measured again, never trusted)."""
+    if not isinstance(entry, dict):
         return None
     seconds = entry.get("seconds")
     if (isinstance(seconds, dict) and set(seconds) == set(candidates)
@@ -802,8 +799,8 @@ class TimingStore:
                     measure: Callable[[], dict[str, float]], setup: str = "") -> Pick:
         """`pick` with the kept timings of exactly these candidates, or with new ones. `setup`:
         what else the timing depends on, beyond the machine, the op and its shape. A kept
-        timing older than RETIME_AFTER is measured again, each candidate keeping the better of
-        its two times."""
+        timing older than REMEASURE_AFTER is measured again, each candidate keeping the better
+        of its two times."""
         if self.kept(pick, dtype, candidates, setup):
             return pick
         key = self._key(pick, dtype, setup)
@@ -815,11 +812,11 @@ class TimingStore:
 
     def kept(self, pick: Pick, dtype: torch.dtype, candidates: Iterable[str],
              setup: str = "") -> bool:
-        """Whether kept timings of exactly these candidates, taken less than RETIME_AFTER ago,
-        fill `pick` (nothing timed)."""
+        """Whether kept timings of exactly these candidates, taken less than REMEASURE_AFTER
+        ago, fill `pick` (nothing timed)."""
         entry = self.entries.get(self._key(pick, dtype, setup))
         seconds = _kept_seconds(entry, candidates)
-        if seconds is None or not 0 <= time.time() - entry["timed"] <= RETIME_AFTER:
+        if seconds is None or measured_long_ago(entry.get("timed")):
             return False
         pick.seconds, pick.from_disk = seconds, True
         return True
