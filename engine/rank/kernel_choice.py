@@ -502,6 +502,7 @@ class KernelChoice:
         disk under `setup` where one rank runs; None (tp > 1): timed at every start, as a kept
         timing on one rank and none on another would have them run different steps."""
         pick = Pick("decode-steps", model_shape, 1, built_in)
+
         def measure() -> dict[str, float]:
             return first_rank(_time_step("decode", candidates, rounds))
 
