@@ -45,8 +45,9 @@ def vllm(model: str, dtype: str, threads: int, settings: dict) -> Generate:
     from vllm.inputs import TokensPrompt
     from vllm.sampling_params import RequestOutputKind
 
-    llm = LLM(model=model, dtype=dtype, max_model_len=4096, enable_prefix_caching=False,
-              max_num_batched_tokens=4096, seed=0, **settings)
+    # the context bench.peers passes (max_model_len) where a timed prompt needs more
+    llm = LLM(model=model, dtype=dtype, **({"max_model_len": 4096, "enable_prefix_caching": False,
+                                            "max_num_batched_tokens": 4096, "seed": 0} | settings))
     engine, calls = llm.llm_engine, itertools.count()
 
     def generate(ids: list[int], n: int) -> tuple[list[int], float | None]:
@@ -71,8 +72,10 @@ def llamacpp(model: str, dtype: str, threads: int, settings: dict) -> Generate:
     from llama_cpp import Llama
 
     # use_extra_bufts=False: the AMX repacking path crashed (SIGILL) on a Q4_1 file on our Xeon
-    llm = Llama(model_path=model, n_ctx=4096, n_batch=2048, n_ubatch=2048, n_threads=threads,
-                n_threads_batch=threads, verbose=False, use_extra_bufts=False, **settings)
+    # (n_ctx: bench.peers passes a longer one where a timed prompt needs it)
+    llm = Llama(model_path=model, n_threads=threads, n_threads_batch=threads,
+                **({"n_ctx": 4096, "n_batch": 2048, "n_ubatch": 2048, "verbose": False,
+                    "use_extra_bufts": False} | settings))
 
     def generate(ids: list[int], n: int) -> tuple[list[int], float | None]:
         start = time.perf_counter()

@@ -121,6 +121,20 @@ def rows_to_run(systems: list[str], dtypes: list[str],
     return rows
 
 
+# The peers' context window (vLLM's max_model_len, llama.cpp's n_ctx): at least this, longer
+# where a timed prompt and its new tokens need it (up to the model's own: a longer one is the
+# peer's error). The engine and transformers take the model's own.
+PEER_CONTEXT = 4096
+CONTEXT_SETTING = {"vllm": "max_model_len", "llamacpp": "n_ctx"}
+
+
+def peer_settings(row: dict, args: argparse.Namespace) -> dict:
+    """The row's settings, with the context its system needs for the longest call asked."""
+    longest = max(*args.lengths, args.decode_prompt + args.decode_tokens) + 1
+    key = CONTEXT_SETTING.get(row["system"])
+    return ({key: max(PEER_CONTEXT, longest)} if key else {}) | row.get("settings", {})
+
+
 def interpreter(system: str) -> Path | None:
     if system in ("engine", "transformers"):
         return Path(sys.executable)
@@ -206,13 +220,13 @@ def write_dequantized_gguf(source: Path, target: Path, dtype: str) -> None:
 class Peer:
     """One row's system in its process (bench/peer_run.py), answering one timed call at a time."""
 
-    def __init__(self, row: dict, path: str, work: Path, threads: int):
+    def __init__(self, row: dict, path: str, work: Path, threads: int, settings: dict):
         dtype = "float32" if row["dtype"] == "q4_1" else row["dtype"]
         # an engine at another revision: its checkout's runner, which imports that engine
         runner = Path(row["root"]) / RUNNER.relative_to(REPO) if "root" in row else RUNNER
         cmd = [str(interpreter(row["system"])), str(runner), "--system", row["system"],
                "--dtype", dtype, "--model", path, "--threads", str(threads),
-               "--settings", json.dumps(row.get("settings", {}))]
+               "--settings", json.dumps(settings)]
         self.row, self.log = row, work / f"{len(list(work.glob('*.log')))}.log"
         with open(self.log, "w") as log:  # a file: a full stderr pipe would stall the peer
             env = peer_env(row["system"], threads, row.get("env"))
@@ -297,7 +311,7 @@ def start_peers(rows: list[dict], work: Path, args: argparse.Namespace) -> list[
             print(f"skipped {row['label']}: its weights are written from a GGUF model", flush=True)
             continue
         try:
-            peers.append(Peer(row, path, work, args.threads))
+            peers.append(Peer(row, path, work, args.threads, peer_settings(row, args)))
         except RuntimeError as e:
             print(f"FAILED {row['label']}: {e}", flush=True)
     return peers

@@ -4,6 +4,7 @@ own: the engine's greedy tokens, as the bench reports them, equal transformers' 
 reference), and a peer without its venv is skipped with the command that makes it."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -157,3 +158,22 @@ def test_llama_cpp_runs_from_the_venv_peers_llamacpp_names(tmp_path):
         assert labels.split("|") == [f"{named} bfloat16, flash-attn on",
                                      f"{named} bfloat16, flash-attn off",
                                      f"{named}, Q4_1 as shipped"]
+
+
+def test_the_peers_context_fits_the_longest_call():
+    """vLLM's and llama.cpp's context window stays 4096 tokens unless a timed call needs more
+    (a prompt, or the decode call's prompt and tokens, and the one token after): then exactly
+    that; a row's own settings are kept beside it; the engine and transformers get none (they
+    take the model's own context)."""
+    rows = {row["system"]: row for row in peers.rows_to_run(
+        ["engine", "transformers", "vllm", "llamacpp"], ["float32"])}
+    long = argparse.Namespace(lengths=[512, 8000], decode_prompt=256, decode_tokens=64)
+    short = argparse.Namespace(lengths=[512, 2048], decode_prompt=256, decode_tokens=64)
+    decode = argparse.Namespace(lengths=[16], decode_prompt=4500, decode_tokens=64)
+    assert peers.peer_settings(rows["vllm"], long) == {"max_model_len": 8001}
+    assert peers.peer_settings(rows["vllm"], short) == {"max_model_len": 4096}
+    assert peers.peer_settings(rows["vllm"], decode) == {"max_model_len": 4565}
+    assert peers.peer_settings(rows["llamacpp"], long) == {
+        "n_ctx": 8001, "flash_attn": rows["llamacpp"]["settings"]["flash_attn"]}
+    assert peers.peer_settings(rows["engine"], long) == {}
+    assert peers.peer_settings(rows["transformers"], long) == {}
