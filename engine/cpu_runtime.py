@@ -175,7 +175,11 @@ def measure() -> dict:
                                   timeout=PROBE_TIMEOUT_S)
             if done.returncode != 0:
                 raise RuntimeError(f"the {name} probe failed: {done.stderr.strip()[-300:]}")
-            seconds[name].append(float(done.stdout.split()[-1]))
+            try:
+                seconds[name].append(float(done.stdout.split()[-1]))
+            except (IndexError, ValueError):  # a library's own line last, or nothing
+                raise RuntimeError(f"the {name} probe printed no time: "
+                                   f"{done.stdout.strip()[-300:]!r}") from None
     return _decided(min(seconds["intel"]), min(seconds["gnu"]))
 
 

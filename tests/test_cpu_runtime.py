@@ -111,6 +111,21 @@ def test_a_failed_probe_keeps_torchs_runtime_and_is_not_repeated(monkeypatch, tm
     assert cpu_runtime.choice() == "gnu" and failed == [1, 1]
 
 
+@pytest.mark.parametrize("printed", ["", "OMP: Info #276: omp_set_nested deprecated\n"])
+def test_a_probe_that_prints_no_time_keeps_torchs_runtime(monkeypatch, tmp_path, printed):
+    """A probe process that exits 0 but whose last word is not a time (nothing printed, or a
+    library's own line after it) is a failed probe, kept as torch's runtime with why; the
+    launcher that asked goes on."""
+    monkeypatch.setenv("PREFILL_ENGINE_CACHE", str(tmp_path))
+    monkeypatch.delenv(cpu_runtime.CHOICE_ENV, raising=False)
+    monkeypatch.setattr(cpu_runtime, "intel_libraries", lambda: ["/lib/libiomp5.so"])
+    monkeypatch.setattr(cpu_runtime.subprocess, "run", lambda cmd, **kw: (
+        subprocess.CompletedProcess(cmd, 0, stdout=printed, stderr="")))
+    assert cpu_runtime.choice() == "gnu"
+    [kept] = json.loads((tmp_path / "cpu_runtime.json").read_text()).values()
+    assert "probe printed no time" in kept["error"]
+
+
 def test_a_program_that_imports_an_app_is_not_relaunched(monkeypatch):
     assert not _runs_as_program(generate.main.__wrapped__)  # pytest is this program
     relaunched = []
