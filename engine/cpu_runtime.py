@@ -8,8 +8,9 @@ allocator (vLLM's CPU guide runs it preloaded so too). `python -m bench.peers`'s
 `engine-gnu` rows compare the two (BENCHMARKS.md, session 55).
 
 A library can only be preloaded when a process starts, so the engine's launchers (every Hydra
-app, `prefill`, bench.peers's engine rows) call `relaunch_preloaded()` first: where preloading
-won here it starts the same command again with LD_PRELOAD set. Which won is measured once per
+app, `prefill`, bench.peers's engine rows) call `relaunch_preloaded()` first, before torch is
+imported (this module imports none): where preloading won here it starts the same command
+again with LD_PRELOAD set. Which won is measured once per
 machine (`python -m engine.cpu_runtime` prints it): a probe of a layer's ops at prompt sizes,
 bf16 and float32, in child processes each way, alternating; kept under the cache folder, and
 probed again once a week (~14 s of one start on the Zen 5 EPYC), each way keeping its better

@@ -31,14 +31,36 @@ def test_setup_installs_intel_openmp():
 @pytest.mark.skipif(not X86_LINUX, reason="the intel-openmp wheel is x86-64 Linux's")
 @pytest.mark.parametrize("runtime,says", [("intel", "Intel's OpenMP"), ("gnu", "torch's own")])
 def test_generate_relaunches_itself_preloaded_where_asked(runtime, says):
+    """And torch is imported once, by the process that runs the app: the one that starts itself
+    again preloaded does so before any import of torch (`-X importtime` is passed on to the
+    relaunched process, so both report their imports on stderr)."""
     env = {**os.environ, cpu_runtime.CHOICE_ENV: runtime, "COLUMNS": "200"}
     env.pop(cpu_runtime.RELAUNCHED_ENV, None)
     env.pop("LD_PRELOAD", None)
-    done = subprocess.run([sys.executable, "-m", "launcher.generate", "max_tokens=2"], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, "-X", "importtime", "-m", "launcher.generate",
+                           "max_tokens=2"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     line = next(l for l in done.stdout.splitlines() if "this process's runtime" in l)
     assert says in line, line
+    torch_imports = [l for l in done.stderr.splitlines() if l.startswith("import time:")
+                     and l.rsplit("|", 1)[-1].strip() == "torch"]
+    assert len(torch_imports) == 1, torch_imports
+
+
+def test_the_engine_package_imports_torch_only_when_its_classes_are_used():
+    """What lets a launcher start itself again before importing torch (above)."""
+    code = ("import sys, engine, engine.cpu_runtime\n"
+            "print('torch' in sys.modules, engine.ConfigError.__name__)\n"
+            "from engine import LLM\n"
+            "print('torch' in sys.modules, LLM.__module__)\n"
+            "try:\n    engine.NoSuchName\nexcept AttributeError as e:\n    print(e)\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.splitlines() == [
+        "False ConfigError", "True engine.llm",
+        "module 'engine' has no attribute 'NoSuchName'"], done.stdout
 
 
 def test_the_choice_is_measured_once_and_kept(monkeypatch, tmp_path):
