@@ -16,7 +16,6 @@ from typing import Any, Callable, NoReturn
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from engine.cpu_runtime import relaunch_preloaded
 from engine.errors import ConfigError, InvalidRequestError, ModelLoadError
 from launcher.build_engine import CONF_DIR
 
@@ -50,8 +49,6 @@ def hydra_app(config_name: str) -> Callable[[Callable[[DictConfig], Any]], Calla
 
         @functools.wraps(task)  # main.__wrapped__(cfg) runs the task on a composed config
         def main() -> None:
-            if _runs_as_program(task):
-                relaunch_preloaded()  # Intel's OpenMP and tcmalloc, where they win here
             held.hold()
             try:
                 hydra_main()
@@ -64,13 +61,6 @@ def hydra_app(config_name: str) -> Callable[[Callable[[DictConfig], Any]], Calla
                 held.release()
         return main
     return decorate
-
-
-def _runs_as_program(task: Callable) -> bool:
-    """Whether this process is the app's own command (`python -m launcher.generate`), not a
-    program that imported the app (a test calling its main())."""
-    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
-    return task.__module__ == "__main__" or getattr(spec, "name", None) == task.__module__
 
 
 class _HeldStderr:

@@ -14,8 +14,7 @@ import pytest
 
 from engine import cpu_runtime, machine
 from engine.errors import ConfigError
-from launcher import generate
-from launcher.hydra_main import _runs_as_program
+import launcher
 
 ROOT = Path(__file__).resolve().parents[1]
 X86_LINUX = platform.machine() == "x86_64" and sys.platform == "linux"
@@ -148,8 +147,27 @@ def test_a_probe_that_prints_no_time_keeps_torchs_runtime(monkeypatch, tmp_path,
     assert "probe printed no time" in kept["error"]
 
 
-def test_a_program_that_imports_an_app_is_not_relaunched(monkeypatch):
-    assert not _runs_as_program(generate.main.__wrapped__)  # pytest is this program
+APP_FILE = str(Path(launcher.__file__).parent / "generate.py")
+RAY_WORKER = "/venv/lib/python3.11/site-packages/ray/_private/workers/default_worker.py"
+
+
+@pytest.mark.parametrize("orig_argv,argv0,an_app", [
+    (["python", "-m", "launcher.generate", "max_tokens=2"], "-m", True),
+    (["python", "-X", "importtime", "-m", "launcher.serve"], "-m", True),
+    (["python", APP_FILE, "max_tokens=2"], APP_FILE, True),  # by its path
+    (["python", "-m", "pytest", "-q"], "-m", False),
+    (["python", "-m", "bench.peers"], "-m", False),
+    (["python", "-c", "import launcher.generate"], "-c", False),
+    (["python", RAY_WORKER, "--node-ip-address=1.2.3.4"], RAY_WORKER, False),
+    (["python", str(ROOT / "tests" / "generate.py")], str(ROOT / "tests" / "generate.py"), False),
+])
+def test_only_an_apps_own_process_is_relaunched(monkeypatch, orig_argv, argv0, an_app):
+    monkeypatch.setattr(sys, "orig_argv", orig_argv)
+    monkeypatch.setattr(sys, "argv", [argv0, *orig_argv[2:]])
+    assert launcher.runs_an_app() is an_app
+
+
+def test_a_relaunched_process_is_never_relaunched_again(monkeypatch):
     relaunched = []
     monkeypatch.setattr(os, "execve", lambda *a: relaunched.append(a))
     monkeypatch.setenv(cpu_runtime.RELAUNCHED_ENV, "/lib/libmine.so")
