@@ -9,6 +9,7 @@ import math
 import shutil
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -37,10 +38,25 @@ BIG_SEED = time.time_ns()  # ~1.8e18: far past what `seed * 1_000_003` left room
     ({"temperature": "0.7"}, r"temperature='0.7'.*number"),
     ({"temperature": True}, r"temperature=True.*bool"), ({"top_p": NAN}, r"top_p=nan"),
     ({"top_p": None}, r"top_p=None"), ({"ignore_eos": "yes"}, r"ignore_eos='yes'.*True or False"),
+    ({"max_tokens": np.float64(2.0)}, r"max_tokens=np\.float64\(2\.0\) is a float64; use a"),
+    ({"max_tokens": np.int64(0)}, r"max_tokens=np\.int64\(0\): use a positive integer"),
+    ({"temperature": np.float32("nan")}, r"temperature=np\.float32\(nan\).*finite"),
+    ({"ignore_eos": np.bool_(True)}, r"ignore_eos=np\.True_.*True or False"),
 ])
 def test_bad_sampling_values_are_refused(kwargs, match):
     with pytest.raises(InvalidRequestError, match=match):
         SamplingParams(**kwargs)
+
+
+def test_numpy_numbers_are_taken_as_pythons():
+    """What an eval harness computes with numpy: taken at its value, handed on as Python's."""
+    given = SamplingParams(max_tokens=np.int64(3), temperature=np.float32(0.5), top_k=np.int32(5),
+                           top_p=np.float64(0.9), seed=np.uint64(2**63 + 5))
+    plain = SamplingParams(max_tokens=3, temperature=0.5, top_k=5, top_p=0.9, seed=2**63 + 5)
+    assert given == plain
+    fields = ("max_tokens", "temperature", "top_k", "top_p", "seed")
+    assert [type(getattr(given, f)) for f in fields] == [int, float, int, float, int]
+    assert given.spec(2) == plain.spec(2)
 
 
 @pytest.mark.parametrize("seed", [2**63 - 1, 2**63, BIG_SEED, 2**64 + 5, 10**40])

@@ -5,6 +5,7 @@ so a bad one never reaches a rank, where it would fail a whole TP group."""
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 
 from engine.batch import SamplingSpec
@@ -15,20 +16,20 @@ from engine.errors import InvalidRequestError
 MIN_TEMPERATURE = 1e-4
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)  # True is an int to Python, not to us
+# numpy's integers and floats (an eval harness's arithmetic) count as ints and numbers: they are
+# numbers.Integral / numbers.Real, and validate() turns them into Python's own
 
 
 def _int_problem(name: str, value, minimum: int, fix: str) -> str | None:
-    if isinstance(value, bool):
-        return f"{name}={value!r} is a bool; {fix}"
-    if not _is_int(value) or value < minimum:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):  # True: not to us
+        return f"{name}={value!r} is a {type(value).__name__}; {fix}"
+    if value < minimum:
         return f"{name}={value!r}: {fix}"
     return None
 
 
 def _float_problem(name: str, value) -> str | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         return f"{name}={value!r} is a {type(value).__name__}; pass a number"
     if not math.isfinite(value):
         return f"{name}={value!r}: pass a finite number"
@@ -48,7 +49,8 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
-        """Raise InvalidRequestError naming the first bad value and its fix."""
+        """Raise InvalidRequestError naming the first bad value and its fix; else make every
+        number Python's own int or float (numpy's scalars too)."""
         problem = (
             _int_problem("max_tokens", self.max_tokens, 1, "use a positive integer")
             or _float_problem("temperature", self.temperature)
@@ -62,6 +64,9 @@ class SamplingParams:
                 else f"ignore_eos={self.ignore_eos!r}: use True or False"))
         if problem:
             raise InvalidRequestError(problem)
+        self.max_tokens, self.top_k = int(self.max_tokens), int(self.top_k)
+        self.temperature, self.top_p = float(self.temperature), float(self.top_p)
+        self.seed = None if self.seed is None else int(self.seed)
 
     def _temperature_problem(self) -> str | None:
         t = self.temperature
