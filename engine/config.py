@@ -3,6 +3,7 @@ are the keyword arguments of `LLM(...)`."""
 from __future__ import annotations
 
 import math
+import numbers
 import os
 import re
 from dataclasses import dataclass, fields
@@ -81,18 +82,22 @@ class EngineConfig:
 
     def validate(self) -> None:
         """Raise ConfigError naming the first bad setting and its fix. Types are checked too
-        (a bool is not an int, text is not a number): Hydra and kwargs pass values unconverted."""
+        (a bool is not an int, text is not a number): Hydra and kwargs pass values unconverted.
+        A value of another type that means the same is turned into the field's own: a path, a
+        torch dtype, numpy's integers and floats."""
         if isinstance(self.model, os.PathLike):  # a pathlib.Path names a checkpoint as well
             self.model = os.fspath(self.model)
+        if isinstance(self.dtype, torch.dtype) and self.dtype in DTYPES.values():
+            self.dtype = str(self.dtype).removeprefix("torch.")
         _require(isinstance(self.model, str) and self.model != "",
                  f"model={self.model!r}: name an alias, an HF-style directory or a .gguf file")
         for name in ("tp", "dp", "cp", "block_size", "max_num_batched_tokens", "max_num_seqs"):
-            _positive_int(name, getattr(self, name))
+            setattr(self, name, _positive_int(name, getattr(self, name)))
         for name in ("max_model_len", "num_threads"):
-            if getattr(self, name) is not None:
-                _positive_int(name, getattr(self, name), "None (the default) or ")
+            if (value := getattr(self, name)) is not None:
+                setattr(self, name, _positive_int(name, value, "None (the default) or "))
         for name in ("init_timeout_s", "step_timeout_s", "collective_timeout_s"):
-            _positive_number(name, getattr(self, name), "seconds")
+            setattr(self, name, _positive_number(name, getattr(self, name), "seconds"))
         for name in ("retry_on_rank_failure", "enable_prefix_caching", "overlap_comm",
                      "shared_memory_all_reduce"):
             _require(isinstance(getattr(self, name), bool),
@@ -110,10 +115,10 @@ class EngineConfig:
         _require(self.dtype is None or (isinstance(self.dtype, str) and self.dtype in DTYPES),
                  f"dtype={self.dtype!r}: use one of {sorted(DTYPES)}")
         if self.kv_cache_gb is not None:
-            _positive_number("kv_cache_gb", self.kv_cache_gb, "GiB per rank")
+            self.kv_cache_gb = _positive_number("kv_cache_gb", self.kv_cache_gb, "GiB per rank")
             _check_memory(self.kv_cache_gb, self.device)
         for name, unit in (("kv_handle_ttl_s", "seconds"), ("cpus_per_rank", "CPUs, e.g. 0.5")):
-            _positive_number(name, getattr(self, name), unit)
+            setattr(self, name, _positive_number(name, getattr(self, name), unit))
         _require(self.attention_backend in ("auto", "torch", "triton"),
                  f"attention_backend={self.attention_backend!r}: use 'auto', 'torch' or 'triton'")
         _require(self.kernel_choice in ("measure", "fixed"),
@@ -176,17 +181,21 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-def _positive_int(name: str, value, also: str = "") -> None:
-    kind = " is a bool" if isinstance(value, bool) else ""
-    ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
-    _require(ok, f"{name}={value!r}{kind}: use {also}a positive integer")
+def _positive_int(name: str, value, also: str = "") -> int:
+    """The value as an int (numpy's integers too; a bool is not one to us)."""
+    integral = isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    kind = "" if integral else f" is a {type(value).__name__}"
+    _require(integral and value >= 1, f"{name}={value!r}{kind}: use {also}a positive integer")
+    return int(value)
 
 
-def _positive_number(name: str, value, unit: str) -> None:
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+def _positive_number(name: str, value, unit: str) -> int | float:
+    """The value as Python's int or float (numpy's numbers too)."""
+    number = isinstance(value, numbers.Real) and not isinstance(value, bool)
     _require(number, f"{name}={value!r} is a {type(value).__name__}: use a number of {unit}")
     _require(math.isfinite(value) and value > 0,
              f"{name}={value!r}: use a positive, finite number of {unit}")
+    return int(value) if isinstance(value, numbers.Integral) else float(value)
 
 
 def _check_device(device) -> None:

@@ -120,6 +120,9 @@ def _total_ram_gb() -> float:
     ({"device": 0}, r"device=0"), ({"device": "cuda:x"}, r"device='cuda:x'"),
     ({"ray_address": 6379}, r"ray_address=6379"), ({"model": ""}, r"model=''"),
     ({"dtype": ["float32"]}, r"dtype=\['float32'\]"),
+    ({"dtype": torch.float64}, r"dtype=torch\.float64: use one of"),
+    ({"tp": np.float64(1.0)}, r"tp=np\.float64\(1\.0\) is a float64: use a positive integer"),
+    ({"kv_cache_gb": np.float32("inf")}, r"kv_cache_gb=np\.float32\(inf\).*finite"),
 ])
 def test_bad_settings_are_refused(settings, match):
     with pytest.raises(ConfigError, match=match):
@@ -143,6 +146,20 @@ def test_good_settings_pass(tmp_path):
     cfg = EngineConfig.from_kwargs(kv_cache_gb=1, init_timeout_s=5, max_model_len=32,
                                    num_threads=1, device="cpu", model=tmp_path)
     assert cfg.kv_cache_gb == 1 and cfg.model == str(tmp_path)  # a Path names a model too
+
+
+def test_a_torch_dtype_and_numpy_numbers_are_taken_as_the_settings_they_mean():
+    given = EngineConfig.from_kwargs(
+        dtype=torch.bfloat16, tp=np.int64(1), num_threads=np.int32(2),
+        kv_cache_gb=np.float32(0.25), max_num_batched_tokens=np.int64(512),
+        init_timeout_s=np.int64(5), cpus_per_rank=np.float64(1))
+    plain = EngineConfig.from_kwargs(
+        dtype="bfloat16", tp=1, num_threads=2, kv_cache_gb=0.25, max_num_batched_tokens=512,
+        init_timeout_s=5, cpus_per_rank=1.0)
+    assert given == plain and given.torch_dtype == torch.bfloat16
+    for name in ("dtype", "tp", "num_threads", "kv_cache_gb", "max_num_batched_tokens",
+                 "init_timeout_s", "cpus_per_rank"):
+        assert type(getattr(given, name)) is type(getattr(plain, name)), name
 
 
 # ---------------------------------------------------------------- prompts
