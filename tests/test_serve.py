@@ -255,6 +255,13 @@ def test_bad_requests_get_400_with_the_engine_message_and_never_500(llm, client,
     r = httpx.post(f"{url}/v1/chat/completions", headers=headers, json={
         "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]})
     assert r.status_code == 400 and "image_url" in r.json()["error"]["message"]
+    for turns in ([{"role": "user"}], [{"role": "system", "content": None}, {"role": "user",
+                                                                          "content": "hi"}]):
+        r = httpx.post(f"{url}/v1/chat/completions", headers=headers, json={"messages": turns})
+        assert r.status_code == 400 and "without content" in r.json()["error"]["message"], r.text
+    assert client.chat.completions.create(model="smollm2", max_tokens=1, messages=[
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": None},
+        {"role": "user", "content": "hi"}]).choices  # an assistant's turn may have none
     assert httpx.get(f"{url}/nowhere").status_code == 404
     # still serving
     assert client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=2).choices

@@ -15,9 +15,10 @@ import pytest
 import yaml
 
 from engine import SamplingParams
+from launcher.serve.app import build_app
 from launcher.serve.ray_app import PrefixRouter
 from tests import subproc
-from tests.serve_util import metric_samples, wait_until
+from tests.serve_util import metric_samples, running, wait_until
 
 PROMPT = "The capital of France is"
 SERVE_YAML = Path(__file__).resolve().parents[1] / "launcher" / "serve" / "serve.yaml"
@@ -172,6 +173,19 @@ def test_prefix_router_sends_a_shared_prefix_to_the_engine_that_has_it():
     assert router.pick("unrelated " * 20) != first  # a miss goes to the least loaded
     router.in_flight[first] -= 5
     assert {router.pick(f"{i} new prompt " * 10) for i in range(4)} == {0, 1}  # taking turns
+
+
+def test_a_stream_the_router_refuses_at_once_gives_back_its_place_in_the_queue():
+    """The router reads a prompt's text before it streams (to pick an engine), so a bad one
+    fails there, when the stream is asked for: that request's place in the server's queue
+    (serve.max_queued) must come back, or a few bad requests turn the server into 429s."""
+    with running(build_app(PrefixRouter([object()], "m"), max_queued=1)) as url:
+        bad = [("chat/completions", {"messages": [{"role": "user"}]}),
+               ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "x"}]}]}),
+               ("completions", {"prompt": []})]
+        for route, body in bad * 2:
+            r = httpx.post(f"{url}/v1/{route}", json={**body, "stream": True}, timeout=30)
+            assert r.status_code == 400, r.text
 
 
 def test_a_killed_rank_gives_503_health_down_then_a_restart(ray_cluster):

@@ -130,13 +130,15 @@ async def _serve(request: Request, req, whole, chunks, metrics: ServerMetrics, g
             gate.leave()
         metrics.observe(body.pop("_timing"), body["usage"])
         return body
-    stream = chunks(req)
+    stream = None
     try:
+        stream = chunks(req)  # a backend may refuse here, before its stream exists (the router)
         # the first chunk before the headers: a bad request still gets its status code
         first = await _until_disconnect(request, _engine_errors(anext(stream)))
     except BaseException:
         gate.leave()
-        await stream.aclose()  # cancels the engine's request if it started
+        if stream is not None:
+            await stream.aclose()  # cancels the engine's request if it started
         raise
     return StreamingResponse(_sse(first, stream, req.include_usage, metrics, gate),
                              media_type="text/event-stream")

@@ -104,7 +104,11 @@ class ChatMessage(BaseModel):
     content: str | list[dict] | None = None
 
     def text(self) -> str:
-        """The message's text; content parts of any type other than text are refused."""
+        """The message's text; content parts of any type other than text are refused, and so is
+        a missing content, except an assistant's (a turn that called tools has none)."""
+        if self.content is None and self.role != "assistant":
+            raise ServeError(400, f"a {self.role} message without content: give its text as "
+                             f"\"content\": a string or a list of text parts", param="messages")
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
         parts = []
