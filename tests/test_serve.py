@@ -4,7 +4,9 @@ same model: `LLM.generate` for tokens and text, `LLM.score` for log-probabilitie
 InvalidRequestError for the 400 message; counts of tokens come from `LLM.tokenize`."""
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
+import contextlib
 import json
 import re
 import sys
@@ -288,6 +290,45 @@ def _long_stream(url: str, max_tokens: int = 2000):
 def _engine_idle(llm) -> bool:
     s = llm.cache_stats()
     return s["blocks_used"] == 0 and s["requests_running"] == 0 and s["requests_waiting"] == 0
+
+
+def _post_to_a_client_gone_at_the_headers(app, path: str, body: dict) -> None:
+    """One request through the app's ASGI interface whose client is gone by the time the
+    headers go out: after the first token (the engine's request running), before any byte."""
+    raw = json.dumps(body).encode()
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"},
+             "http_version": "1.1", "method": "POST", "scheme": "http", "path": path,
+             "raw_path": path.encode(), "query_string": b"", "root_path": "",
+             "headers": [(b"content-type", b"application/json")],
+             "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+    messages = [{"type": "http.request", "body": raw, "more_body": False}]
+
+    async def receive():
+        if messages:
+            return messages.pop()
+        await asyncio.Event().wait()  # the client sends nothing more
+
+    async def send(message):
+        if message["type"] == "http.response.start":
+            raise OSError("the client closed the connection")
+
+    async def request_then_idle():
+        with contextlib.suppress(Exception):
+            await app(scope, receive, send)
+
+    asyncio.run(request_then_idle())
+
+
+def test_a_client_gone_when_the_headers_go_out_gives_back_its_place_and_blocks(llm):
+    """A client that leaves just as its stream's first token arrives: the headers' send fails,
+    so the event stream is never read. Its place in the queue and its engine request must still
+    be released (they were only released by the stream's own end)."""
+    app = build_app(EngineHandler(llm, "smollm2"), max_queued=1)
+    for _ in range(2):
+        _post_to_a_client_gone_at_the_headers(app, "/v1/completions", {
+            "prompt": PROMPT, "max_tokens": 2000, "ignore_eos": True, "stream": True})
+        assert app.state.gate.held == 0
+        wait_until(lambda: _engine_idle(llm), timeout=20, what="the left request cancelled")
 
 
 def test_back_pressure_past_max_queued(llm):

@@ -6,8 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
-from contextlib import aclosing
-from typing import AsyncIterator
+from typing import AsyncIterator, Awaitable, Callable
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -140,29 +139,46 @@ async def _serve(request: Request, req, whole, chunks, metrics: ServerMetrics, g
         if stream is not None:
             await stream.aclose()  # cancels the engine's request if it started
         raise
-    return StreamingResponse(_sse(first, stream, req.include_usage, metrics, gate),
-                             media_type="text/event-stream")
+
+    async def release() -> None:
+        gate.leave()
+        await stream.aclose()  # cancels the engine's request if it still runs
+
+    return EventStream(_sse(first, stream, req.include_usage, metrics), release)
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events that release the request however the response ends: also when the
+    client is gone as the headers go out, so that the events are never read (a generator never
+    started runs no `finally`)."""
+
+    def __init__(self, events: AsyncIterator[str], release: Callable[[], Awaitable[None]]):
+        super().__init__(events, media_type="text/event-stream")
+        self.release = release
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.release()
 
 
 async def _sse(first: dict, stream: AsyncIterator[dict], include_usage: bool,
-               metrics: ServerMetrics, gate: Gate) -> AsyncIterator[str]:
+               metrics: ServerMetrics) -> AsyncIterator[str]:
     """Server-sent events in OpenAI's chunk format, then `data: [DONE]`. A client gone closes
-    this generator, which closes the engine's stream: the request is cancelled."""
+    this generator and the response releases the engine's stream: the request is cancelled."""
     try:
-        async with aclosing(stream):
-            chunk = first
-            while chunk is not None:
-                if "_timing" in chunk:  # the closing chunk: usage and timing
-                    metrics.observe(chunk.pop("_timing"), chunk["usage"])
-                    if include_usage:
-                        yield _event(chunk)
-                else:
+        chunk = first
+        while chunk is not None:
+            if "_timing" in chunk:  # the closing chunk: usage and timing
+                metrics.observe(chunk.pop("_timing"), chunk["usage"])
+                if include_usage:
                     yield _event(chunk)
-                chunk = await _engine_errors(anext(stream, None))
+            else:
+                yield _event(chunk)
+            chunk = await _engine_errors(anext(stream, None))
     except ServeError as e:  # after the headers went out: the error is the stream's last event
         yield _event(e.body())
-    finally:
-        gate.leave()
     yield "data: [DONE]\n\n"
 
 
