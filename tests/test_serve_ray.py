@@ -4,6 +4,7 @@ args of launcher/serve/serve.yaml (checked against Ray's own schema), driven by 
 `openai` client; the reference is `LLM.generate`."""
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import signal
 import time
@@ -186,6 +187,44 @@ def test_a_stream_the_router_refuses_at_once_gives_back_its_place_in_the_queue()
         for route, body in bad * 2:
             r = httpx.post(f"{url}/v1/{route}", json={**body, "stream": True}, timeout=30)
             assert r.status_code == 400, r.text
+
+
+def _replica_pid(app: str, deployment: str) -> int:
+    """The replica's process, by the title Ray gives an actor's worker (`ray::<class>...`)."""
+    import psutil
+
+    title = f"ray::ServeReplica:{app}:{deployment}"
+    [pid] = [p.pid for p in psutil.process_iter(["cmdline"])
+             if p.info["cmdline"] and p.info["cmdline"][0].startswith(title)]
+    return pid
+
+
+def test_a_dropped_replica_gives_503_then_serves_again(serve_port):
+    """An engine deployment's replica killed with a request in it: the client gets 503 with
+    Retry-After (a retry is what helps; it was a 500 'internal error'), and once Serve has
+    started the replica again the same request is served."""
+    from ray import serve
+
+    app, _ = yaml_app("serve.replicas=1")
+    serve.run(app, name="dropped", route_prefix="/dropped")
+    url = f"http://127.0.0.1:{serve_port}/dropped"
+    body = {"model": "smollm2", "prompt": PROMPT, "max_tokens": 2000, "ignore_eos": True}
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(httpx.post, f"{url}/v1/completions", json=body, timeout=120)
+            wait_until(lambda: metric_samples(url).get(
+                "vllm:num_requests_running{engine=0,model_name=smollm2}", 0) == 1,
+                what="the request running in the replica")
+            os.kill(_replica_pid("dropped", "engine_0"), signal.SIGKILL)
+            r = pending.result()
+        assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
+        assert "unavailable" in r.json()["error"]["message"]
+        wait_until(lambda: httpx.get(f"{url}/health", timeout=30).status_code == 200,
+                   timeout=180, what="Serve to start the replica again")
+        again = httpx.post(f"{url}/v1/completions", json={**body, "max_tokens": 2}, timeout=120)
+        assert again.status_code == 200, again.text
+    finally:
+        serve.delete("dropped")
 
 
 def test_a_killed_rank_gives_503_health_down_then_a_restart(ray_cluster):

@@ -61,14 +61,15 @@ async def remote(method, *args):
     """A call to another deployment; its refusal (ServeError, EngineError) as itself."""
     try:
         return await method.remote(*args)
-    except ray.exceptions.RayTaskError as e:
+    except ray.exceptions.RayError as e:
         raise remote_cause(e) from None
-    except ray.exceptions.RayError as e:  # its replica died or is restarting
-        raise ServeError(503, f"a deployment is unavailable ({type(e).__name__}); retry "
-                         f"shortly", "service_unavailable") from None
 
 
-def remote_cause(e: ray.exceptions.RayTaskError) -> BaseException:
-    """The engine's own refusal, for the HTTP layer to map to its status code."""
+def remote_cause(e: ray.exceptions.RayError) -> BaseException:
+    """What the HTTP layer maps to a status code: the engine's own refusal as itself, and a
+    replica that died or is restarting as 503, which a client retries."""
+    if not isinstance(e, ray.exceptions.RayTaskError):
+        return ServeError(503, f"a deployment is unavailable ({type(e).__name__}); retry "
+                          f"shortly", "service_unavailable")
     cause = getattr(e, "cause", None)
     return cause if isinstance(cause, (ServeError, EngineError)) else e

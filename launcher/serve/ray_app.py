@@ -128,7 +128,7 @@ class PrefixRouter:
         self.in_flight[i] += 1
         try:
             return await getattr(self.engines[i], method).remote(req)
-        except ray.exceptions.RayTaskError as e:
+        except ray.exceptions.RayError as e:  # the engine's refusal, or its replica gone
             raise remote_cause(e) from None
         finally:
             self.in_flight[i] -= 1
@@ -140,7 +140,7 @@ class PrefixRouter:
         try:
             async for chunk in chunks:
                 yield chunk
-        except ray.exceptions.RayTaskError as e:
+        except ray.exceptions.RayError as e:  # the engine's refusal, or its replica gone
             raise remote_cause(e) from None
         finally:
             chunks.cancel()  # a client gone: the engine's request is cancelled, blocks freed
