@@ -130,20 +130,19 @@ async def _serve(request: Request, req, whole, chunks, metrics: ServerMetrics, g
         metrics.observe(body.pop("_timing"), body["usage"])
         return body
     stream = None
+
+    async def release() -> None:
+        gate.leave()
+        if stream is not None:
+            await stream.aclose()  # cancels the engine's request if it started and still runs
+
     try:
         stream = chunks(req)  # a backend may refuse here, before its stream exists (the router)
         # the first chunk before the headers: a bad request still gets its status code
         first = await _until_disconnect(request, _engine_errors(anext(stream)))
     except BaseException:
-        gate.leave()
-        if stream is not None:
-            await stream.aclose()  # cancels the engine's request if it started
+        await release()
         raise
-
-    async def release() -> None:
-        gate.leave()
-        await stream.aclose()  # cancels the engine's request if it still runs
-
     return EventStream(_sse(first, stream, req.include_usage, metrics), release)
 
 

@@ -58,7 +58,8 @@ class RemotePrefill:
 
 
 async def remote(method, *args):
-    """A call to another deployment; its refusal (ServeError, EngineError) as itself."""
+    """A call to another deployment; its refusal (ServeError, EngineError) as itself, its
+    replica gone as 503 (`remote_cause`)."""
     try:
         return await method.remote(*args)
     except ray.exceptions.RayError as e:
