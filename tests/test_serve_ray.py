@@ -176,6 +176,21 @@ def test_prefix_router_sends_a_shared_prefix_to_the_engine_that_has_it():
     assert {router.pick(f"{i} new prompt " * 10) for i in range(4)} == {0, 1}  # taking turns
 
 
+def test_a_stream_whose_engine_call_fails_at_once_leaves_no_load_counted():
+    """The router picks the least loaded engine by its count of requests in flight; a stream
+    whose call to the engine's handle raised before it existed must not stay counted, or
+    that engine looks busy for good."""
+    import asyncio
+
+    from launcher.serve.protocol import CompletionRequest
+
+    router = PrefixRouter([object()], "m")  # a handle without .options: the call raises
+    stream = router.completion_chunks(CompletionRequest(prompt="hello", stream=True))
+    with pytest.raises(AttributeError):
+        asyncio.run(stream.__anext__())
+    assert router.in_flight == [0]
+
+
 def test_a_stream_the_router_refuses_at_once_gives_back_its_place_in_the_queue():
     """The router reads a prompt's text before it streams (to pick an engine), so a bad one
     fails there, when the stream is asked for: that request's place in the server's queue

@@ -136,14 +136,16 @@ class PrefixRouter:
     async def _stream(self, method: str, req, text: str) -> AsyncIterator[dict]:
         i = self.pick(text)
         self.in_flight[i] += 1
-        chunks = getattr(self.engines[i].options(stream=True), method).remote(req)
-        try:
+        chunks = None
+        try:  # the handle's call inside: one that raises at once must not keep its count
+            chunks = getattr(self.engines[i].options(stream=True), method).remote(req)
             async for chunk in chunks:
                 yield chunk
         except ray.exceptions.RayError as e:  # the engine's refusal, or its replica gone
             raise remote_cause(e) from None
         finally:
-            chunks.cancel()  # a client gone: the engine's request is cancelled, blocks freed
+            if chunks is not None:  # a client gone: the engine's request is cancelled
+                chunks.cancel()
             self.in_flight[i] -= 1
 
 
