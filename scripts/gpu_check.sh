@@ -85,7 +85,9 @@ main() {
     section decode 15
     section tp2 60
     # The TP=2 engine test starts Ray, which the device image lacks (TP=1 runs the same path).
+    # One process (no pyproject addopts): the image's pytest has no xdist for `-n 2`.
     step "kernel tests" $((150 * SCALE)) env PREFILL_AUTOTUNE=0 "$PY" -m pytest -q -p no:cacheprovider \
+        -o addopts="" \
         tests/test_kernels.py tests/test_kernels_gpu_config.py tests/test_kernels_step.py \
         tests/test_kernels_compile.py \
         --deselect "tests/test_kernels.py::test_engine_with_triton_backend_matches_torch[2]"

@@ -1,4 +1,4 @@
-"""Shared fixtures: one Ray cluster for the whole session, tiny checkpoints built once."""
+"""Shared fixtures: one Ray cluster per test worker, tiny checkpoints built once."""
 from __future__ import annotations
 
 import os
