@@ -2,6 +2,8 @@
 node, side by side with transformers on the same prompt; one JSON line per run, and plots."""
 from __future__ import annotations
 
+import launcher  # noqa: F401  first: run by its path, it relaunches preloaded before torch loads
+
 import json
 import sys
 import time

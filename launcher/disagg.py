@@ -7,6 +7,8 @@ in flight. Reports per-request TTFT (prefill), hand-off + decode time, and the t
 """
 from __future__ import annotations
 
+import launcher  # noqa: F401  first: run by its path, it relaunches preloaded before torch loads
+
 import concurrent.futures
 import random
 import statistics

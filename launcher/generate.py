@@ -1,6 +1,8 @@
 """The main job: prefill a prompt, report TTFT and prefill speed, then decode."""
 from __future__ import annotations
 
+import launcher  # noqa: F401  first: run by its path, it relaunches preloaded before torch loads
+
 import time
 
 from omegaconf import DictConfig

@@ -12,6 +12,8 @@ Every token but the first is scored exactly once; a smaller stride gives each mo
 """
 from __future__ import annotations
 
+import launcher  # noqa: F401  first: run by its path, it relaunches preloaded before torch loads
+
 import json
 import math
 from pathlib import Path

@@ -2,6 +2,8 @@
 claims against it, and write files to keep (JSON, trace, roofline, sweep row and plot, HTML)."""
 from __future__ import annotations
 
+import launcher  # noqa: F401  first: run by its path, it relaunches preloaded before torch loads
+
 import json
 import sys
 from pathlib import Path

@@ -28,17 +28,20 @@ def test_setup_installs_intel_openmp():
 
 
 @pytest.mark.skipif(not X86_LINUX, reason="the intel-openmp wheel is x86-64 Linux's")
-@pytest.mark.parametrize("runtime,says", [("intel", "Intel's OpenMP"), ("gnu", "torch's own")])
-def test_generate_relaunches_itself_preloaded_where_asked(runtime, says):
+@pytest.mark.parametrize("runtime,says,app", [
+    ("intel", "Intel's OpenMP", ["-m", "launcher.generate"]),
+    ("gnu", "torch's own", ["-m", "launcher.generate"]),
+    ("intel", "Intel's OpenMP", ["launcher/generate.py"])],  # by its path
+    ids=["intel", "gnu", "intel-by-path"])
+def test_generate_relaunches_itself_preloaded_where_asked(runtime, says, app):
     """And torch is imported once, by the process that runs the app: the one that starts itself
     again preloaded does so before any import of torch (`-X importtime` is passed on to the
     relaunched process, so both report their imports on stderr)."""
     env = {**os.environ, cpu_runtime.CHOICE_ENV: runtime, "COLUMNS": "200"}
     env.pop(cpu_runtime.RELAUNCHED_ENV, None)
     env.pop("LD_PRELOAD", None)
-    done = subprocess.run([sys.executable, "-X", "importtime", "-m", "launcher.generate",
-                           "max_tokens=2"], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
+    done = subprocess.run([sys.executable, "-X", "importtime", *app, "max_tokens=2"], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     line = next(l for l in done.stdout.splitlines() if "this process's runtime" in l)
     assert says in line, line
