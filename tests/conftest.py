@@ -20,6 +20,27 @@ os.environ.setdefault("PREFILL_ENGINE_COMPILE", "0")
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Files whose tests hold several engines or a whole app at a time (GiBs each). Two workers run
+# the suite (pyproject's addopts): one takes all of these, in turn, so two of them never run
+# side by side; with one of them beside a lighter file the machine peaked at 20.4 of 24 GiB.
+MEMORY_HEAVY_FILES = {"tests/test_serve_ray.py", "tests/test_docs_commands.py",
+                      "tests/test_disagg.py", "tests/test_readme_job.py"}
+
+
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: absent where pytest runs without it
+def pytest_xdist_make_scheduler(config, log):
+    from xdist.scheduler import LoadFileScheduling
+
+    if config.getoption("dist") != "loadfile":
+        return None
+
+    class HeavyFilesInOneLane(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            file = super()._split_scope(nodeid)
+            return "memory-heavy files" if file in MEMORY_HEAVY_FILES else file
+
+    return HeavyFilesInOneLane(config, log)
+
 
 @pytest.fixture(scope="session")
 def ray_cluster():
