@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -33,6 +34,10 @@ def pytest_xdist_make_scheduler(config, log):
 
     if config.getoption("dist") != "loadfile":
         return None
+    root = Path(__file__).resolve().parents[1]
+    gone = sorted(f for f in MEMORY_HEAVY_FILES if not (root / f).is_file())
+    if gone:  # a renamed file would leave the lane without a word
+        raise pytest.UsageError(f"tests/conftest.py MEMORY_HEAVY_FILES names no file: {gone}")
 
     class HeavyFilesInOneLane(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
