@@ -9,7 +9,9 @@ torch's (engine.rank.kernel_choice).
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import fcntl
 import hashlib
 import logging
 import os
@@ -17,11 +19,12 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
-from engine.machine import cache_dir
+from engine.machine import cache_dir, cpu_description
 
 log = logging.getLogger("engine")
 
@@ -113,19 +116,24 @@ class CppLibrary:
         later starts. `march`: the CPU kind it is built for (default: $PREFILL_ENGINE_MARCH,
         else this CPU; tests build other kinds' code)."""
         march = march or os.environ.get(MARCH_ENV) or "native"
-        from engine.rank.kernel_choice import machine_key  # which imports the kernels' modules
-
         asked = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60)
         if asked.returncode != 0:
             raise CompilerFailed(f"{compiler} --version failed: {asked.stderr.strip()[-300:]}")
         flags = (*FLAGS, f"-march={march}",
                  *(torch_flags() if self.register is not None else ("-std=c++17",)))
-        key = hashlib.sha256("\0".join([self.source_hash(), asked.stdout, machine_key(),
-                                        *flags]).encode())
+        # not the thread count (the kernel timings' key holds it): one build serves every rank
+        key = hashlib.sha256("\0".join([self.source_hash(), asked.stdout, cpu_description(),
+                                        f"torch {torch.__version__}", *flags]).encode())
         path = folder / f"{self.source.stem}-{key.hexdigest()[:16]}.so"
         if path.exists():
             return path
         folder.mkdir(parents=True, exist_ok=True)
+        with _only_builder(folder):  # a group's ranks start at once: one compiles, the rest wait
+            if not path.exists():
+                self._compile(compiler, flags, path)
+        return path
+
+    def _compile(self, compiler: str, flags: tuple[str, ...], path: Path) -> None:
         partial = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
         libraries = TORCH_LIBRARIES if self.register is not None else ()
         done = subprocess.run([compiler, *flags, str(self.source), "-o", str(partial), *libraries],
@@ -133,5 +141,21 @@ class CppLibrary:
         if done.returncode != 0:
             partial.unlink(missing_ok=True)
             raise CompilerFailed(f"{compiler} failed: {done.stderr.strip()[-500:]}")
-        os.replace(partial, path)  # another rank building at once replaces it with the same bytes
-        return path
+        os.replace(partial, path)  # whole or absent to a reader that takes no lock
+
+
+@contextlib.contextmanager
+def _only_builder(folder: Path) -> Iterator[None]:
+    """Held by one process at a time for builds in `folder`: an exclusive lock on the folder
+    itself (no file left behind), released by the kernel if its holder dies. Where the folder
+    takes no lock (some network file systems), builders run at once: each writes whole files,
+    the same bytes."""
+    handle = os.open(folder, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        except OSError:
+            pass
+        yield
+    finally:
+        os.close(handle)  # which releases the lock

@@ -1,0 +1,69 @@
+"""engine.rank.cpp_library's builds: one per source, compiler and CPU, whatever the thread count
+of the process that asks (a tp=2 group's ranks run one thread each, a tp=1 engine two), and one
+compile when several processes or threads ask for it at once (a group's ranks start together)."""
+from __future__ import annotations
+
+import shutil
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.rank.cpp_library import CppLibrary
+
+SOURCE = 'extern "C" int answer() { return 42; }\n'
+
+
+@pytest.fixture
+def library(tmp_path) -> CppLibrary:
+    source = tmp_path / "src" / "answer.cpp"
+    source.parent.mkdir()
+    source.write_text(SOURCE)
+    return CppLibrary(source, "answer", {"answer": []}, "nothing")
+
+
+@pytest.fixture
+def counted_compiler(tmp_path) -> tuple[str, Path]:
+    """A compiler that logs each compile (not `--version`) and takes a second over it, so two
+    builders that do not wait for each other overlap."""
+    log, script = tmp_path / "compiles.log", tmp_path / "cxx"
+    script.write_text(f'#!/bin/sh\ncase "$1" in --version) ;; *) echo x >> {log}; sleep 1 ;; esac\n'
+                      f'exec {shutil.which("g++")} "$@"\n')
+    script.chmod(0o755)
+    return str(script), log
+
+
+def _compiles(log: Path) -> int:
+    return len(log.read_text().splitlines()) if log.exists() else 0
+
+
+def test_a_build_serves_every_thread_count(library, counted_compiler, tmp_path):
+    compiler, log = counted_compiler
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = library.build(tmp_path / "kernels", compiler)
+        torch.set_num_threads(2)
+        two = library.build(tmp_path / "kernels", compiler)
+    finally:
+        torch.set_num_threads(before)
+    assert one == two and _compiles(log) == 1
+    assert library.open(two).answer() == 42
+
+
+def test_builders_at_once_compile_once(library, counted_compiler, tmp_path):
+    compiler, log = counted_compiler
+    built: list[Path] = []
+
+    def build() -> None:
+        built.append(library.build(tmp_path / "kernels", compiler))
+    threads = [threading.Thread(target=build) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert len(built) == 3 and len(set(built)) == 1
+    assert _compiles(log) == 1
+    assert [p.name for p in (tmp_path / "kernels").iterdir()] == [built[0].name]  # nothing else
+    assert library.open(built[0]).answer() == 42
