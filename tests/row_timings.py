@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Callable
 
 from engine.rank import kernel_choice as kc
+from tests.engine_cache import fresh_cache
 
 
 def fused_wins(weight) -> dict[str, float]:
@@ -14,12 +15,12 @@ def fused_wins(weight) -> dict[str, float]:
     return {"torch": 3e-3, "fused": 1e-3}
 
 
-def certain_row_timings(monkeypatch, cache: Path,
+def certain_row_timings(monkeypatch, cache: Path | str,
                         seconds: Callable[[object], dict[str, float]] = fused_wins) -> None:
     """Every quantized row product's timing is `seconds(weight)` ({"torch": s, "fused": s}),
     kept under `cache` (a test's own, so no kept timing of another run is read); other kernels'
     timings stay real."""
-    monkeypatch.setenv("PREFILL_ENGINE_CACHE", str(cache))
+    monkeypatch.setenv("PREFILL_ENGINE_CACHE", str(fresh_cache(Path(cache))))
     timed = kc._time_linear
     monkeypatch.setattr(kc, "_time_linear", lambda kernels, weight, rows, prepare=None: (
         seconds(weight) if set(kernels) == {"torch", "fused"}

@@ -9,6 +9,7 @@ from engine import LLM, SamplingParams
 from engine.errors import ConfigError
 from engine.loading.synthetic import random_token_ids
 from tests.cpu_features import needs_onednn_bf16
+from tests.engine_cache import fresh_cache
 
 PROMPT = random_token_ids(32, 300, seed=11)  # two whole blocks of 16: both cached after a prefill
 NEXT = 7
@@ -42,7 +43,7 @@ def test_single_token_steps_read_bf16_copies(request, reference, tp, compiled, m
         request.getfixturevalue("ray_cluster")
     monkeypatch.setattr(kernel_choice, "_time_step",
                         lambda kind, candidates, rounds: {"graph": 1.0, "eager": 2.0})
-    monkeypatch.setenv("PREFILL_ENGINE_CACHE", str(tmp_path))  # no step timing kept earlier
+    monkeypatch.setenv("PREFILL_ENGINE_CACHE", str(fresh_cache(tmp_path)))  # no step timing kept
     path, want = reference
     # steps of at most 16 tokens: no packed prompt copies to count in the weight bytes below
     budget = {"max_num_batched_tokens": 16}

@@ -15,6 +15,7 @@ import torch
 from engine.rank import fused_attention as fa
 from engine.rank import kernel_choice as kc
 from tests.cpu_features import run_in_a_build_for
+from tests.engine_cache import fresh_cache
 from tests.op_calls import op_calls
 from tests.reference import causal_attention_float64
 
@@ -22,7 +23,8 @@ from tests.reference import causal_attention_float64
 @pytest.fixture(autouse=True)
 def _cache(tmp_path_factory, monkeypatch):
     # one build for the module's tests (not the user's cache); kernel choices time afresh
-    monkeypatch.setenv("PREFILL_ENGINE_CACHE", str(tmp_path_factory.getbasetemp() / "fused"))
+    monkeypatch.setenv("PREFILL_ENGINE_CACHE",
+                       str(fresh_cache(tmp_path_factory.getbasetemp() / "fused")))
 
 
 # float32 to its rounding (the float64 reference sums in another order); bf16 outputs within a
@@ -274,7 +276,7 @@ def test_a_damaged_cache_builds_it_elsewhere(monkeypatch, tmp_path, damage):
 def _fused_wins_every_prompt_bucket(monkeypatch, tmp_path) -> list[tuple[int, int]]:
     """The fused kernel made to win every prompt bucket's timing (nothing timed before); the
     (queries, keys) of each of its calls from then on are appended to the list returned."""
-    monkeypatch.setenv("PREFILL_ENGINE_CACHE", str(tmp_path))
+    monkeypatch.setenv("PREFILL_ENGINE_CACHE", str(fresh_cache(tmp_path)))
     timed = kc._time_attention
     monkeypatch.setattr(kc, "_time_attention", lambda heads, tokens, dtype, kernels, queries=None: (
         {"sdpa": 3e-3, "blocked": 3e-3, "fused": 1e-3} if queries is None
@@ -473,7 +475,7 @@ def test_a_decode_graph_where_it_wins_runs_it_and_keeps_the_tokens(tiny_model_di
 
     from engine import LLM, SamplingParams
 
-    monkeypatch.setenv("PREFILL_ENGINE_CACHE", str(tmp_path))
+    monkeypatch.setenv("PREFILL_ENGINE_CACHE", str(fresh_cache(tmp_path)))
     monkeypatch.setattr(kc, "_time_decode_in_graph", lambda heads, block, context, dtype: (
         {"tensor-math": 3e-3, "fused": 1e-3}))
     # and the steps' own timing made to keep the graphs (on a busy machine eager decode steps

@@ -17,6 +17,7 @@ import torch
 from engine.rank import fused_attention
 from engine.rank import quantized_rows as qr
 from engine.rank.quantized import int4_groups, int8_per_channel
+from tests.engine_cache import fresh_cache
 from tests.row_timings import certain_row_timings, fused_wins
 
 HQ, HKV, HD, D, FFN = 4, 2, 32, 64, 96
@@ -342,7 +343,8 @@ def test_tensor_parallel_ranks_run_the_layers_a_part_at_a_time(tiny_model_dir, t
             (True, "measure", ("shared memory (CPU tensors; gloo otherwise)", [parts])),
             (False, "measure", ("gloo", [parts]))):
         out = tmp_path / f"{shared}-{choice}"
-        run_in_group(2, _tp2_ranks, path, str(tmp_path / "cache"), shared, choice, str(out))
+        run_in_group(2, _tp2_ranks, path, str(fresh_cache(tmp_path / "cache")), shared, choice,
+                     str(out))
         runs[shared, choice], said_by_0 = torch.load(f"{out}.0")
         assert torch.load(f"{out}.1")[1] == said_by_0 == said
     for other in (runs[True, "fixed"], runs[False, "measure"]):
@@ -420,7 +422,7 @@ def _float_ranks(tmp_path, name: str, model_dir: str, world: int, kernel_choice:
 
 
 def _float_ranks_cache(tmp_path):
-    return tmp_path.parent / "float-ranks-cache"
+    return fresh_cache(tmp_path.parent / "float-ranks-cache")
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ from tests.row_timings import certain_row_timings
 from engine.rank import kernel_choice as kc
 from engine.loading.gguf_blocks import Q4Blocks
 from engine.rank.quantized import from_q4_blocks, int4_groups, int8_per_channel
+from tests.engine_cache import fresh_cache
 
 # float32: its rounding over sums of up to 1536 products; bf16: the output's rounding (2^-8
 # relative) of values up to ~60
@@ -26,7 +27,8 @@ TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 0.5}
 
 @pytest.fixture(autouse=True)
 def _cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("PREFILL_ENGINE_CACHE", str(tmp_path_factory.getbasetemp() / "int8"))
+    monkeypatch.setenv("PREFILL_ENGINE_CACHE",
+                       str(fresh_cache(tmp_path_factory.getbasetemp() / "int8")))
 
 
 def _weight(n: int, k: int, dtype: torch.dtype, seed: int):
@@ -239,7 +241,7 @@ def test_int8_shapes_are_timed_against_torch_and_kept(tmp_path, monkeypatch):
     """Each shape of each kind once (two weights of one shape: one timing; an int4 weight of an
     int8 one's shape: a timing of its own); the timing is read back from disk by the next
     choice."""
-    monkeypatch.setenv("PREFILL_ENGINE_CACHE", str(tmp_path))
+    monkeypatch.setenv("PREFILL_ENGINE_CACHE", str(fresh_cache(tmp_path)))
     weights = [_weight(64, 32, torch.float32, 4), _weight(64, 32, torch.float32, 5),
                _weight(32, 64, torch.float32, 6), int4_groups(torch.randn(32, 64))]
     choice = kc.KernelChoice(torch.float32)
