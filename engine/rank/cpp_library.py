@@ -2,10 +2,11 @@
 
 Each library is one C++ file beside its Python module, built with the machine's C++ compiler
 (the one inductor's CPU code needs too) for this CPU (-march=native), kept under the engine's
-cache folder by a hash of the source, compiler and CPU, so later starts load it at once. Its
-OpenMP threads come from the library torch already loaded. Where no compiler or build works, the
-library is simply absent (one warning): its kernels are then not candidates, and the engine runs
-torch's (engine.rank.kernel_choice).
+cache folder by a hash of the source, compiler, CPU and torch, so later starts, and the other
+ranks of a group (they wait while one builds), load it at once. Its OpenMP threads come from
+the library torch already loaded. Where no compiler or build works, the library is simply
+absent (one warning): its kernels are then not candidates, and the engine runs torch's
+(engine.rank.kernel_choice).
 """
 from __future__ import annotations
 
