@@ -136,6 +136,9 @@ class CppLibrary:
 
     def _compile(self, compiler: str, flags: tuple[str, ...], path: Path) -> None:
         partial = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
+        # an OSError here, before the compiler runs, sends the build to another folder; the
+        # linker's own failure to write would read as a compiler that cannot build it
+        partial.write_bytes(b"")
         libraries = TORCH_LIBRARIES if self.register is not None else ()
         done = subprocess.run([compiler, *flags, str(self.source), "-o", str(partial), *libraries],
                               capture_output=True, text=True, timeout=300)
