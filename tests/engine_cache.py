@@ -1,7 +1,7 @@
 """An engine cache folder of a test's own: no kernel timing, graph or runtime choice kept by an
 earlier start is read. Its C++ libraries are the test run's (the `kernels` folder of the cache
-conftest sets, linked): they are keyed by source, compiler and CPU, so sharing them changes no
-choice, and a run builds each once instead of once per test (~40 s for the three)."""
+conftest sets, linked): they are keyed by source, compiler, CPU and torch, so sharing them
+changes no choice, and a run builds each once instead of once per test (~40 s for the three)."""
 from __future__ import annotations
 
 import os
