@@ -220,7 +220,10 @@ def write_dequantized_gguf(source: Path, target: Path, dtype: str) -> None:
 class Peer:
     """One row's system in its process (bench/peer_run.py), answering one timed call at a time."""
 
-    def __init__(self, row: dict, path: str, work: Path, threads: int, settings: dict):
+    def __init__(self, row: dict, path: str, work: Path, threads: int, settings: dict,
+                 quiet_wait_s: float = 10.0):
+        """`quiet_wait_s`: the longest wait for a quiet machine before each call (0: none)."""
+        self.quiet_wait_s = quiet_wait_s
         dtype = "float32" if row["dtype"] == "q4_1" else row["dtype"]
         # an engine at another revision: its checkout's runner, which imports that engine
         runner = Path(row["root"]) / RUNNER.relative_to(REPO) if "root" in row else RUNNER
@@ -238,9 +241,10 @@ class Peer:
     def call(self, ids: list[int], n: int) -> tuple[float, list[int], float | None]:
         """(seconds, greedy tokens, seconds to the first token or None where the system does not
         say) of one call of n new tokens after `ids`."""
-        if wait_until_quiet() >= QUIET_MAX_S:
+        limit = self.quiet_wait_s
+        if limit > 0 and wait_until_quiet(limit) >= limit:
             print(f"busy machine: {self.row['label']} was timed with the CPUs still busy after "
-                  f"{QUIET_MAX_S:.0f} s of waiting; its figures share them", flush=True)
+                  f"{limit:.0f} s of waiting; its figures share them", flush=True)
         self.process.stdin.write(json.dumps({"ids": ids, "n": n}) + "\n")
         self.process.stdin.flush()
         answer = self._answer("RESULT ")
@@ -265,18 +269,18 @@ class Peer:
 # (vLLM's processes spun one core for ~1 s after each call on the AVX512-BF16 EPYC, session 46,
 # which slowed whichever system was timed next: the engine's float32 512-token prefill read
 # 802-803 tok/s alternating with vLLM, 845-879 alternating with itself or another engine).
-# Quiet: less than QUIET_CPUS of one CPU busy, machine-wide, over QUIET_WINDOW_S.
+# Quiet: less than QUIET_CPUS of one CPU busy, machine-wide, over QUIET_WINDOW_S. A machine
+# never that quiet (other tenants) is timed anyway, after at most --quiet-wait seconds.
 QUIET_CPUS = 0.3
 QUIET_WINDOW_S = 0.2
-QUIET_MAX_S = 10.0  # a machine never that quiet (other tenants) times anyway
 
 
-def wait_until_quiet() -> float:
-    """Wait until the machine is quiet (at most QUIET_MAX_S; at once where Linux's /proc/stat
-    is unreadable); the seconds waited, QUIET_MAX_S or more where it never was."""
+def wait_until_quiet(max_s: float) -> float:
+    """Wait until the machine is quiet (at most `max_s`; at once where Linux's /proc/stat is
+    unreadable); the seconds waited, `max_s` or more where it never was."""
     start = time.monotonic()
     before = busy_cpu_seconds()
-    while before is not None and time.monotonic() - start < QUIET_MAX_S:
+    while before is not None and time.monotonic() - start < max_s:
         time.sleep(QUIET_WINDOW_S)
         after = busy_cpu_seconds()
         if after - before < QUIET_CPUS * QUIET_WINDOW_S:
@@ -311,7 +315,8 @@ def start_peers(rows: list[dict], work: Path, args: argparse.Namespace) -> list[
             print(f"skipped {row['label']}: its weights are written from a GGUF model", flush=True)
             continue
         try:
-            peers.append(Peer(row, path, work, args.threads, peer_settings(row, args)))
+            peers.append(Peer(row, path, work, args.threads, peer_settings(row, args),
+                              args.quiet_wait))
         except RuntimeError as e:
             print(f"FAILED {row['label']}: {e}", flush=True)
     return peers
@@ -400,6 +405,10 @@ def main() -> None:
     ap.add_argument("--engine-from", nargs="+", default=[], metavar="REV",
                     help="also run each engine row asked for as it was at these git revisions "
                          "(a before/after in one run)")
+    ap.add_argument("--quiet-wait", type=float, default=10.0, metavar="S",
+                    help="the longest wait for a quiet machine before each timed call; past it "
+                         "the call is timed anyway and said so (0: no wait, for a check of the "
+                         "tokens on a busy machine, whose figures mean little)")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="peers-"))
     engine_from = {rev: checkout(rev, work) for rev in args.engine_from}
