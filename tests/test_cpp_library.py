@@ -1,6 +1,8 @@
 """engine.rank.cpp_library's builds: one per source, compiler and CPU, whatever the thread count
 of the process that asks (a tp=2 group's ranks run one thread each, a tp=1 engine two), and one
-compile when several processes or threads ask for it at once (a group's ranks start together)."""
+compile when several processes or threads ask for it at once (a group's ranks start together);
+kept for the next start, and built elsewhere where the cache cannot hold or load it. A one-line
+library stands in for the engine's (each takes 10-20 s to compile): the build is the same code."""
 from __future__ import annotations
 
 import shutil
@@ -15,12 +17,18 @@ from engine.rank.cpp_library import CppLibrary
 SOURCE = 'extern "C" int answer() { return 42; }\n'
 
 
+def answer_library(folder: Path) -> CppLibrary:
+    """A library of the one-line source in `folder` (a new object: a new process's view)."""
+    source = folder / "answer.cpp"
+    if not source.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        source.write_text(SOURCE)
+    return CppLibrary(source, "answer", {"answer": []}, "nothing")
+
+
 @pytest.fixture
 def library(tmp_path) -> CppLibrary:
-    source = tmp_path / "src" / "answer.cpp"
-    source.parent.mkdir()
-    source.write_text(SOURCE)
-    return CppLibrary(source, "answer", {"answer": []}, "nothing")
+    return answer_library(tmp_path / "src")
 
 
 @pytest.fixture
@@ -78,3 +86,31 @@ def test_a_kept_folder_that_takes_no_file_builds_it_elsewhere(library, tmp_path,
     monkeypatch.setenv("PREFILL_ENGINE_CACHE", str(tmp_path / "cache"))
     built = library.get()
     assert built is not None and built.answer() == 42
+
+
+def test_a_build_is_kept_and_found_by_the_next_start(counted_compiler, tmp_path, monkeypatch):
+    compiler, log = counted_compiler
+    monkeypatch.setenv("PREFILL_ENGINE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("CXX", compiler)
+    assert answer_library(tmp_path / "src").get().answer() == 42
+    [kept] = (tmp_path / "cache" / "kernels").iterdir()  # the library, no leftovers
+    assert kept.suffix == ".so"
+    mtime = kept.stat().st_mtime_ns
+    assert answer_library(tmp_path / "src").get().answer() == 42  # the next start's
+    assert _compiles(log) == 1 and kept.stat().st_mtime_ns == mtime
+
+
+@pytest.mark.parametrize("damage", ["an unwritable cache", "a kept library that does not load"])
+def test_a_damaged_cache_builds_it_elsewhere(library, tmp_path, monkeypatch, damage):
+    """The cache folder cannot take the library (a file where its parent should be), or holds
+    a broken one: the library is built in a private temporary folder instead, and loads."""
+    if damage == "an unwritable cache":
+        (tmp_path / "a_file").write_text("")
+        cache = tmp_path / "a_file" / "cache"
+    else:
+        cache = tmp_path / "cache"
+        library.build(cache / "kernels", "g++").write_bytes(b"not a library")
+    monkeypatch.setenv("PREFILL_ENGINE_CACHE", str(cache))
+    built = library.get()
+    assert built is not None and built.answer() == 42
+    assert not Path(built._name).is_relative_to(tmp_path)  # elsewhere: not the cache, nor beside it

@@ -245,34 +245,6 @@ def test_a_compiler_that_fails_keeps_sdpa(monkeypatch, tmp_path, caplog):
     assert not list(tmp_path.glob("kernels/*"))
 
 
-def test_a_build_is_kept_and_found_by_the_next_start(monkeypatch, tmp_path):
-    monkeypatch.setattr(fa.LIBRARY, "_loaded", [])
-    monkeypatch.setenv("PREFILL_ENGINE_CACHE", str(tmp_path))
-    assert fa.available()
-    [first] = (tmp_path / "kernels").iterdir()  # the library, no leftovers
-    assert first.suffix == ".so"
-    mtime = first.stat().st_mtime_ns
-    assert fa.LIBRARY.build(tmp_path / "kernels", "g++") == first and first.stat().st_mtime_ns == mtime
-
-
-@pytest.mark.parametrize("damage", ["an unwritable cache", "a kept library that does not load"])
-def test_a_damaged_cache_builds_it_elsewhere(monkeypatch, tmp_path, damage):
-    """The cache folder cannot take the library, or holds a broken one: the kernel is built in a
-    private temporary folder instead, and works."""
-    monkeypatch.setattr(fa.LIBRARY, "_loaded", [])
-    if damage == "an unwritable cache":
-        (tmp_path / "a_file").write_text("")
-        monkeypatch.setenv("PREFILL_ENGINE_CACHE", str(tmp_path / "a_file" / "cache"))
-    else:
-        monkeypatch.setenv("PREFILL_ENGINE_CACHE", str(tmp_path))
-        kept = fa.LIBRARY.build(tmp_path / "kernels", "g++")
-        kept.write_bytes(b"not a library")
-    assert fa.available()
-    q, k, v = _qkv(30, 30, 4, 2, 32, seed=12)
-    torch.testing.assert_close(fa.causal_attention(q, k, v, 0.2).double(),
-                               causal_attention_float64(q, k, v, 0.2), atol=2e-6, rtol=0)
-
-
 def _fused_wins_every_prompt_bucket(monkeypatch, tmp_path) -> list[tuple[int, int]]:
     """The fused kernel made to win every prompt bucket's timing (nothing timed before); the
     (queries, keys) of each of its calls from then on are appended to the list returned."""

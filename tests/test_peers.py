@@ -10,9 +10,6 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
-
-import pytest
 
 from bench import peers
 from bench.peers import wait_until_quiet
