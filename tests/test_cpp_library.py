@@ -77,6 +77,18 @@ def test_builders_at_once_compile_once(library, counted_compiler, tmp_path):
     assert library.open(built[0]).answer() == 42
 
 
+def test_a_dead_builders_partial_file_is_removed_by_the_next_build(library, tmp_path):
+    """The partial file of a builder that died (a killed rank) is removed by the next build of
+    the same library, which alone holds the folder then."""
+    folder = tmp_path / "kernels"
+    path = library.build(folder, "g++")
+    path.unlink()
+    dead = folder / f"{path.stem}.4194305.1.tmp"  # past Linux's highest pid: no live builder's
+    dead.write_bytes(b"half a library")
+    assert library.build(folder, "g++") == path
+    assert [p.name for p in folder.iterdir()] == [path.name]
+
+
 def test_a_kept_folder_that_takes_no_file_builds_it_elsewhere(library, tmp_path, monkeypatch):
     """A kernels folder that exists but cannot be written (a read-only mount of a cache kept
     for another CPU; Linux's /proc folders, which the engine's CPU checks read too, are

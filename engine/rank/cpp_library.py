@@ -129,8 +129,11 @@ class CppLibrary:
         if path.exists():
             return path
         folder.mkdir(parents=True, exist_ok=True)
-        with _only_builder(folder):  # a group's ranks start at once: one compiles, the rest wait
+        with _only_builder(folder) as alone:  # a group's ranks start at once: one compiles
             if not path.exists():
+                if alone:  # no live builder of this folder but us: a partial is a dead one's
+                    for partial in folder.glob(f"{path.stem}.*.tmp"):
+                        partial.unlink(missing_ok=True)
                 self._compile(compiler, flags, path)
         return path
 
@@ -149,17 +152,18 @@ class CppLibrary:
 
 
 @contextlib.contextmanager
-def _only_builder(folder: Path) -> Iterator[None]:
+def _only_builder(folder: Path) -> Iterator[bool]:
     """Held by one process at a time for builds in `folder`: an exclusive lock on the folder
-    itself (no file left behind), released by the kernel if its holder dies. Where the folder
-    takes no lock (some network file systems), builders run at once: each writes whole files,
-    the same bytes."""
+    itself (no file left behind), released by the kernel if its holder dies; yields whether
+    it holds it. Where the folder takes no lock (some network file systems), builders run at
+    once: each writes whole files, the same bytes."""
     handle = os.open(folder, os.O_RDONLY)
     try:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX)
+            locked = True
         except OSError:
-            pass
-        yield
+            locked = False
+        yield locked
     finally:
         os.close(handle)  # which releases the lock

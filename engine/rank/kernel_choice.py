@@ -54,6 +54,10 @@ log = logging.getLogger("engine")
 STREAMED_ROWS = 16
 STREAMED_BYTES = 64 * 2**20
 MAX_COPIES = 64  # a tiny weight stays in cache however many copies: no point in more
+# A compiled timing's copies are products unrolled in one static graph, whose compile grows
+# with them: a test model's tiny shapes at 64 copies took 30-38 s a timing. Real models need
+# fewer to pass STREAMED_BYTES (SmolLM2's projections: 4 in float32, 9 in bf16).
+MAX_GRAPH_COPIES = 8
 LM_HEAD_ROWS = 64  # above this many logits rows (scoring a prompt) the LM head is untimed
 # the most rows timed: larger steps take the pick of the largest bucket timed (a projection's
 # kernel ranks alike from ~1k rows on, and timing 8k-token attention would take seconds)
@@ -671,13 +675,13 @@ _row_timings = itertools.count()  # each timing compiles code of its own (below)
 
 
 def _time_in_graph(kernels: dict[str, Callable], weights: list[torch.Tensor]) -> dict[str, float]:
-    """Seconds for one row through copies of every weight (at least STREAMED_BYTES in all, one
-    copy when the weights alone are more), each candidate compiled as one static graph, as a
-    decode graph runs its projections."""
+    """Seconds for one row through copies of every weight (STREAMED_BYTES in all, up to
+    MAX_GRAPH_COPIES; one copy when the weights alone are more), each candidate compiled as one
+    static graph, as a decode graph runs its projections."""
     from engine.rank.compiled import own_code  # which imports this module
 
     keep_compiled_code()
-    count = max(1, min(MAX_COPIES, STREAMED_BYTES // sum(w.nbytes for w in weights)))
+    count = max(1, min(MAX_GRAPH_COPIES, STREAMED_BYTES // sum(w.nbytes for w in weights)))
     copies = [w.clone() for _ in range(count) for w in weights]
     xs = {w.shape[1]: torch.randn(1, w.shape[1], dtype=w.dtype) for w in copies}
     # code of its own per candidate and timing: dynamo keeps 8 graphs per code object, and a
