@@ -19,7 +19,7 @@ from engine import SamplingParams
 from launcher.serve.app import build_app
 from launcher.serve.ray_app import PrefixRouter
 from tests import subproc
-from tests.serve_util import metric_samples, running, wait_until
+from tests.serve_util import LOCAL, metric_samples, running, wait_until
 
 PROMPT = "The capital of France is"
 SERVE_YAML = Path(__file__).resolve().parents[1] / "launcher" / "serve" / "serve.yaml"
@@ -234,7 +234,7 @@ def test_a_dropped_replica_gives_503_then_serves_again(serve_port):
             r = pending.result()
         assert r.status_code == 503 and r.headers["retry-after"] == "1", r.text
         assert "unavailable" in r.json()["error"]["message"]
-        wait_until(lambda: httpx.get(f"{url}/health", timeout=30).status_code == 200,
+        wait_until(lambda: LOCAL.get(f"{url}/health").status_code == 200,
                    timeout=180, what="Serve to start the replica again")
         again = httpx.post(f"{url}/v1/completions", json={**body, "max_tokens": 2}, timeout=120)
         assert again.status_code == 200, again.text
@@ -260,7 +260,7 @@ def test_a_killed_rank_gives_503_health_down_then_a_restart(ray_cluster):
             client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=3)
         assert e.value.status_code == 503 and "rank" in e.value.message
         seen = []
-        wait_until(lambda: seen.append(httpx.get(f"{url}/health").status_code) or seen[-1] == 200,
+        wait_until(lambda: seen.append(LOCAL.get(f"{url}/health").status_code) or seen[-1] == 200,
                    timeout=180, what="the restart")
         assert seen[0] == 503
         got = client.completions.create(model="smollm2", prompt=PROMPT, max_tokens=3,
@@ -306,7 +306,7 @@ def test_ray_job_submit_serves_on_the_cluster():
 
         def healthy() -> bool:
             try:
-                return httpx.get(f"{url}/health").status_code == 200
+                return LOCAL.get(f"{url}/health").status_code == 200
             except httpx.TransportError:
                 return False
         try:
