@@ -56,7 +56,7 @@ STREAMED_BYTES = 64 * 2**20
 MAX_COPIES = 64  # a tiny weight stays in cache however many copies: no point in more
 # A compiled timing's copies are products unrolled in one static graph, whose compile grows
 # with them: a test model's tiny shapes at 64 copies took 30-38 s a timing. Real models need
-# fewer to pass STREAMED_BYTES (SmolLM2's projections: 4 in float32, 9 in bf16).
+# fewer to pass STREAMED_BYTES: SmolLM2's shapes with its LM head need one (tp=2's halves two).
 MAX_GRAPH_COPIES = 8
 LM_HEAD_ROWS = 64  # above this many logits rows (scoring a prompt) the LM head is untimed
 # the most rows timed: larger steps take the pick of the largest bucket timed (a projection's
