@@ -221,7 +221,7 @@ class Peer:
     """One row's system in its process (bench/peer_run.py), answering one timed call at a time."""
 
     def __init__(self, row: dict, path: str, work: Path, threads: int, settings: dict,
-                 quiet_wait_s: float = 10.0):
+                 quiet_wait_s: float):
         """`quiet_wait_s`: the longest wait for a quiet machine before each call (0: none)."""
         self.quiet_wait_s = quiet_wait_s
         dtype = "float32" if row["dtype"] == "q4_1" else row["dtype"]
